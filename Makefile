@@ -1,0 +1,30 @@
+# Two commands: `make lab` sets up .venv and opens the lessons; `make test` runs every check.
+PYTHON ?= python3
+# A bare torch requirement may pull a CUDA build of several GB; CI passes TORCH=torch==2.13.0 (a CPU build).
+TORCH ?= torch>=2.2
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: lab test bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): $(PY) pyproject.toml
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet "$(TORCH)"
+	$(PY) -m pip install --quiet -e ".[lab,test]"
+	touch $(STAMP)
+
+lab: $(STAMP)
+	$(VENV)/bin/jupyter lab notebooks/
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+bench: $(STAMP)
+	$(PY) benchmarks/bench_simulate.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info
