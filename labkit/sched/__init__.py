@@ -1,0 +1,18 @@
+"""labkit.sched: every scheduling decision and every counter. Imports numpy and labkit.traffic only."""
+
+from labkit.sched.policy import Continuous, Decision, Dynamic, Static
+from labkit.sched.simulator import DEFAULT_STEP_TIME, simulate
+from labkit.sched.state import Request, SchedulerState
+from labkit.sched.steplog import StepLog
+
+__all__ = [
+    "Continuous",
+    "DEFAULT_STEP_TIME",
+    "Decision",
+    "Dynamic",
+    "Request",
+    "SchedulerState",
+    "Static",
+    "StepLog",
+    "simulate",
+]

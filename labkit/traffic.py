@@ -1,0 +1,259 @@
+"""Traffic: the requests a schedule serves.
+
+A `Trace` is an immutable table of requests. Invariants, checked on construction:
+
+- it holds at least one request;
+- output lengths are whole numbers >= 1, prompt lengths whole numbers >= 0;
+- arrivals are finite, >= 0, in seconds from the first request;
+- every column has one entry per request, and request ids are unique.
+
+Request ids survive `select`, so a sub-trace still names the same requests.
+This module imports numpy and nothing heavier.
+"""
+
+from __future__ import annotations
+
+import csv
+import gzip
+import io
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+
+OUTPUT_DISTRIBUTIONS = ("exponential", "uniform", "equal", "lognormal")
+PROMPT_DISTRIBUTIONS = ("uniform", "equal", "none")
+CSV_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+AZURE_CONV_2023 = "azure_llm_conv_2023.csv.gz"
+TOY_OUTPUT_LENGTHS = (2, 6, 3, 8, 2, 4, 5, 2)
+
+
+def _whole_numbers(name: str, values, minimum: int) -> np.ndarray:
+    """`values` as an int64 array, or a ValueError naming the first bad entry."""
+    array = np.asarray(values)
+    if array.ndim != 1:
+        raise ValueError(f"{name} must be a flat list of numbers, got shape {array.shape}")
+    if array.dtype.kind not in "iuf":
+        raise ValueError(f"{name} must hold numbers, got {array.dtype} values such as {array[:1].tolist()}")
+    array = array.astype(np.float64)
+    bad = ~np.isfinite(array) | (array != np.round(array)) | (array < minimum)
+    if bad.any():
+        index = int(np.argmax(bad))
+        raise ValueError(f"{name}[{index}] = {array[index]:g}: each entry must be a whole number >= {minimum}")
+    return array.astype(np.int64)
+
+
+def _seconds(name: str, values) -> np.ndarray:
+    array = np.asarray(values, dtype=np.float64)
+    bad = ~np.isfinite(array) | (array < 0)
+    if bad.any():
+        index = int(np.argmax(bad))
+        raise ValueError(f"{name}[{index}] = {array[index]:g}: arrivals must be finite and >= 0 seconds")
+    return array
+
+
+@dataclass(frozen=True, eq=False)
+class Trace:
+    """Requests with arrival time (s), prompt length and output length (tokens)."""
+
+    output_lengths: np.ndarray
+    prompt_lengths: np.ndarray
+    arrivals: np.ndarray
+    ids: np.ndarray
+    labels: tuple[str, ...] = field(default=())
+
+    def __post_init__(self):
+        outputs = _whole_numbers("output_lengths", self.output_lengths, minimum=1)
+        if len(outputs) == 0:
+            raise ValueError("output_lengths is empty: a trace needs at least one request")
+        columns = {
+            "prompt_lengths": _whole_numbers("prompt_lengths", self.prompt_lengths, minimum=0),
+            "arrivals": _seconds("arrivals", self.arrivals),
+            "ids": _whole_numbers("ids", self.ids, minimum=0),
+        }
+        for name, column in columns.items():
+            if len(column) != len(outputs):
+                raise ValueError(f"{name} has {len(column)} entries but output_lengths has {len(outputs)}")
+        if len(np.unique(columns["ids"])) != len(outputs):
+            raise ValueError("ids must be unique")
+        if self.labels and len(self.labels) != len(outputs):
+            raise ValueError(f"labels has {len(self.labels)} entries but output_lengths has {len(outputs)}")
+        for name, column in {"output_lengths": outputs, **columns}.items():
+            column.setflags(write=False)
+            object.__setattr__(self, name, column)
+        object.__setattr__(self, "labels", tuple(self.labels) or tuple(str(i) for i in columns["ids"]))
+
+    # Construction
+
+    @classmethod
+    def from_lengths(cls, output_lengths, prompt_lengths=None, arrivals=None) -> Trace:
+        """Requests 0..n-1 with the given lengths; no prompt and all arriving at t=0 unless given."""
+        count = len(np.atleast_1d(output_lengths))
+        return cls(
+            output_lengths=np.atleast_1d(output_lengths),
+            prompt_lengths=np.zeros(count, np.int64) if prompt_lengths is None else prompt_lengths,
+            arrivals=np.zeros(count) if arrivals is None else arrivals,
+            ids=np.arange(count),
+        )
+
+    @classmethod
+    def toy(cls) -> Trace:
+        """The lab's running example: requests A–H, all waiting at t=0, no prompt."""
+        trace = cls.from_lengths(TOY_OUTPUT_LENGTHS)
+        letters = tuple("ABCDEFGH")
+        return cls(trace.output_lengths, trace.prompt_lengths, trace.arrivals, trace.ids, letters)
+
+    @classmethod
+    def sample(
+        cls,
+        num_requests: int,
+        output: str | Trace = "exponential",
+        mean_output: float = 64,
+        prompt: str | Trace = "uniform",
+        mean_prompt: float = 128,
+        rate: float | None = None,
+        burstiness: float = 1.0,
+        sigma: float = 1.0,
+        seed: int = 0,
+    ) -> Trace:
+        """Draw a trace with numpy's seeded Generator.
+
+        output: "exponential" (geometric, the memoryless discrete kind, mean `mean_output`),
+            "uniform" (1 .. 2*mean-1), "equal" (every length `mean_output`),
+            "lognormal" (shape `sigma`, mean `mean_output`), or a Trace to resample from (empirical).
+        prompt: "uniform" (0 .. 2*mean_prompt), "equal", "none", or a Trace to resample from.
+        rate: requests per second, with gamma inter-arrival times of shape `burstiness`
+            (1 is Poisson, below 1 is burstier); None puts every arrival at t=0.
+        """
+        if not isinstance(num_requests, (int, np.integer)) or num_requests < 1:
+            raise ValueError(f"num_requests = {num_requests!r}: must be a whole number >= 1")
+        rng = np.random.default_rng(seed)
+        return cls.from_lengths(
+            _draw_outputs(rng, num_requests, output, mean_output, sigma),
+            prompt_lengths=_draw_prompts(rng, num_requests, prompt, mean_prompt),
+            arrivals=_draw_arrivals(rng, num_requests, rate, burstiness),
+        )
+
+    @classmethod
+    def from_csv(cls, path) -> Trace:
+        """Read TIMESTAMP,ContextTokens,GeneratedTokens rows (the Azure LLM inference trace format).
+
+        Arrivals become seconds from the first row's timestamp; `.csv.gz` files are read as gzip.
+        """
+        path = Path(path)
+        opener = gzip.open if path.suffix == ".gz" else open
+        with opener(path, "rt", newline="") as handle:
+            return cls._from_csv_rows(handle, str(path))
+
+    @classmethod
+    def azure_conv(cls) -> Trace:
+        """The Azure LLM inference trace 2023, conversation service (19,366 requests; CC-BY-4.0).
+
+        Source: Azure/AzurePublicDataset, released with Patel et al., "Splitwise: Efficient
+        generative LLM inference using phase splitting", ISCA 2024. See labkit/data/README.md.
+        """
+        with resources.as_file(resources.files("labkit.data") / AZURE_CONV_2023) as path:
+            return cls.from_csv(path)
+
+    @classmethod
+    def _from_csv_rows(cls, handle: io.TextIOBase, source: str) -> Trace:
+        reader = csv.DictReader(handle)
+        missing = [c for c in CSV_COLUMNS if c not in (reader.fieldnames or [])]
+        if missing:
+            raise ValueError(f"{source}: missing column(s) {missing}; expected {list(CSV_COLUMNS)}")
+        times, prompts, outputs = [], [], []
+        for row in reader:
+            try:
+                times.append(_timestamp(row["TIMESTAMP"]))
+                prompts.append(int(row["ContextTokens"]))
+                outputs.append(int(row["GeneratedTokens"]))
+            except (TypeError, ValueError) as error:
+                raise ValueError(f"{source}: bad row at line {reader.line_num}: {dict(row)} ({error})") from None
+        if not times:
+            raise ValueError(f"{source}: no rows; a trace needs at least one request")
+        arrivals = (np.asarray(times) - times[0]) / np.timedelta64(1, "s")
+        if (arrivals < 0).any():
+            raise ValueError(f"{source}: row {int(np.argmax(arrivals < 0)) + 2} arrives before the first row")
+        return cls.from_lengths(outputs, prompt_lengths=prompts, arrivals=arrivals)
+
+    # Views
+
+    def __len__(self) -> int:
+        return len(self.output_lengths)
+
+    def __repr__(self) -> str:
+        return (
+            f"Trace({len(self)} requests, {int(self.output_lengths.sum())} output tokens, "
+            f"mean output {self.output_lengths.mean():.1f}, last arrival {self.arrivals.max():.2f} s)"
+        )
+
+    def backlogged(self) -> Trace:
+        """The same requests, all waiting at t=0."""
+        return Trace(self.output_lengths, self.prompt_lengths, np.zeros(len(self)), self.ids, self.labels)
+
+    def select(self, positions) -> Trace:
+        """The requests at these positions, keeping their ids and labels."""
+        positions = np.atleast_1d(np.asarray(positions))
+        if positions.dtype.kind not in "iu" or ((positions < 0) | (positions >= len(self))).any():
+            raise ValueError(f"select({positions.tolist()}): positions must be whole numbers in 0..{len(self) - 1}")
+        return Trace(
+            self.output_lengths[positions],
+            self.prompt_lengths[positions],
+            self.arrivals[positions],
+            self.ids[positions],
+            tuple(self.labels[p] for p in positions),
+        )
+
+
+def _timestamp(text) -> np.datetime64:
+    if not isinstance(text, str) or np.isnat(stamp := np.datetime64(text.strip() or "NaT", "ns")):
+        raise ValueError(f"TIMESTAMP {text!r} is not a date and time")
+    return stamp
+
+
+def _check_mean(name: str, mean: float, minimum: float) -> None:
+    if not np.isfinite(mean) or mean < minimum:
+        raise ValueError(f"{name} = {mean!r}: must be a finite number >= {minimum}")
+
+
+def _draw_outputs(rng: np.random.Generator, count: int, output, mean: float, sigma: float) -> np.ndarray:
+    if isinstance(output, Trace):
+        return rng.choice(output.output_lengths, size=count)
+    _check_mean("mean_output", mean, 1)
+    if output == "exponential":
+        return rng.geometric(1 / mean, size=count)
+    if output == "uniform":
+        return rng.integers(1, 2 * round(mean) - 1, size=count, endpoint=True)
+    if output == "equal":
+        return np.full(count, round(mean))
+    if output == "lognormal":
+        if not np.isfinite(sigma) or sigma <= 0:
+            raise ValueError(f"sigma = {sigma!r}: must be a finite number > 0")
+        draws = rng.lognormal(np.log(mean) - sigma**2 / 2, sigma, size=count)
+        return np.maximum(1, np.round(draws)).astype(np.int64)
+    raise ValueError(f"output = {output!r}: choose one of {OUTPUT_DISTRIBUTIONS} or pass a Trace")
+
+
+def _draw_prompts(rng: np.random.Generator, count: int, prompt, mean: float) -> np.ndarray:
+    if isinstance(prompt, Trace):
+        return rng.choice(prompt.prompt_lengths, size=count)
+    _check_mean("mean_prompt", mean, 0)
+    if prompt == "uniform":
+        return rng.integers(0, 2 * round(mean), size=count, endpoint=True)
+    if prompt == "equal":
+        return np.full(count, round(mean))
+    if prompt == "none":
+        return np.zeros(count, np.int64)
+    raise ValueError(f"prompt = {prompt!r}: choose one of {PROMPT_DISTRIBUTIONS} or pass a Trace")
+
+
+def _draw_arrivals(rng: np.random.Generator, count: int, rate: float | None, burstiness: float) -> np.ndarray:
+    if rate is None:
+        return np.zeros(count)
+    if not np.isfinite(rate) or rate <= 0:
+        raise ValueError(f"rate = {rate!r}: must be a number of requests per second > 0, or None")
+    if not np.isfinite(burstiness) or burstiness <= 0:
+        raise ValueError(f"burstiness = {burstiness!r}: must be a gamma shape > 0 (1 is Poisson)")
+    gaps = rng.gamma(shape=burstiness, scale=1 / (rate * burstiness), size=count - 1)
+    return np.concatenate([[0.0], np.cumsum(gaps)])
