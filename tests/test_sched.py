@@ -1,0 +1,254 @@
+"""The scheduling core: exact schedules, policy decisions, invariants and bad input."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import labkit as lk
+from labkit.sched import Decision, Request, SchedulerState
+
+# Exact schedules ------------------------------------------------------------------------
+
+_ = -1
+TOY_STATIC = [
+    # A  B     C  D     E  F     G  H
+    [0, 1], [0, 1], [_, 1], [_, 1], [_, 1], [_, 1],
+    [2, 3], [2, 3], [2, 3], [_, 3], [_, 3], [_, 3], [_, 3], [_, 3],
+    [4, 5], [4, 5], [_, 5], [_, 5],
+    [6, 7], [6, 7], [6, _], [6, _], [6, _],
+]
+TOY_CONTINUOUS = [
+    [0, 1], [0, 1], [2, 1], [2, 1], [2, 1], [3, 1], [3, 4], [3, 4], [3, 5],
+    [3, 5], [3, 5], [3, 5], [3, 6], [7, 6], [7, 6], [_, 6], [_, 6],
+]
+
+
+def test_toy_static_schedule():
+    log = lk.simulate(lk.Trace.toy(), lk.Static(num_slots=2))
+    assert log.slots.tolist() == TOY_STATIC
+    assert (log.num_steps, log.num_tokens) == (23, 32)
+    assert log.utilization == 32 / 46
+
+
+def test_toy_continuous_schedule():
+    log = lk.simulate(lk.Trace.toy(), lk.Continuous(num_slots=2))
+    assert log.slots.tolist() == TOY_CONTINUOUS
+    assert (log.num_steps, log.num_tokens) == (17, 32)
+    assert log.utilization == 32 / 34
+
+
+def test_toy_queue_depth_and_milestones():
+    log = lk.simulate(lk.Trace.toy(), lk.Continuous(num_slots=2), step_time=1.0)
+    assert log.num_queued.tolist() == [6, 6, 5, 5, 5, 4, 3, 3, 2, 2, 2, 2, 1, 0, 0, 0, 0]
+    assert log.admit_step.tolist() == [0, 0, 2, 5, 6, 8, 12, 13]
+    assert log.first_token_step.tolist() == [0, 0, 2, 5, 6, 8, 12, 13]
+    assert log.finish_step.tolist() == [1, 5, 4, 12, 7, 11, 16, 14]
+    assert log.latency.tolist() == [2, 6, 5, 13, 8, 12, 17, 15]
+    assert log.ttft.tolist() == [1, 1, 3, 6, 7, 9, 13, 14]
+    assert log.waiting_time.tolist() == [0, 0, 2, 5, 6, 8, 12, 13]
+    assert log.blocked.tolist()[:13] == ["no_slot"] * 13
+    assert log.blocked.tolist()[13:] == [""] * 4
+
+
+SPREAD = lk.Trace.from_lengths([3, 2, 4, 1], arrivals=[0, 0.01, 0.2, 0.5])
+
+
+def test_dynamic_waits_to_fill_or_time_out():
+    log = lk.simulate(SPREAD, lk.Dynamic(num_slots=2, timeout=0.15), step_time=0.1)
+    # B fills the batch at 0.01; C then waits for its timeout (0.35); D waits behind C's batch.
+    assert log.slots.tolist() == [[0, 1], [0, 1], [0, _], [2, _], [2, _], [2, _], [2, _], [3, _]]
+    assert log.step_start.tolist() == pytest.approx([0.01, 0.11, 0.21, 0.35, 0.45, 0.55, 0.65, 0.75])
+    assert log.num_queued.tolist() == [0, 0, 1, 0, 0, 1, 1, 0]
+    assert log.blocked.tolist() == ["", "", "no_slot", "", "", "no_slot", "no_slot", ""]
+
+
+def test_static_starts_at_once_on_spread_arrivals():
+    log = lk.simulate(SPREAD, lk.Static(num_slots=2), step_time=0.1)
+    assert log.slots.tolist() == [[0, _], [0, _], [0, _], [1, 2], [1, 2], [_, 2], [_, 2], [3, _]]
+    assert log.step_start.tolist() == pytest.approx(np.arange(8) * 0.1)
+
+
+def test_continuous_admits_arrivals_at_the_next_step():
+    log = lk.simulate(SPREAD, lk.Continuous(num_slots=2), step_time=0.1)
+    assert log.slots.tolist() == [[0, _], [0, 1], [0, 1], [2, _], [2, _], [2, 3], [2, _]]
+    assert log.admit_step.tolist() == [0, 1, 3, 5]
+
+
+def test_dynamic_with_zero_timeout_is_static():
+    trace = lk.Trace.sample(40, rate=5.0, seed=2)
+    static = lk.simulate(trace, lk.Static(num_slots=3))
+    dynamic = lk.simulate(trace, lk.Dynamic(num_slots=3, timeout=0))
+    assert static.slots.tolist() == dynamic.slots.tolist()
+
+
+def test_clock_jumps_over_idle_time():
+    trace = lk.Trace.from_lengths([2, 2], arrivals=[0, 10])
+    log = lk.simulate(trace, lk.Continuous(num_slots=1), step_time=1.0)
+    assert log.step_start.tolist() == [0, 1, 10, 11]
+    assert log.duration == 12
+    assert log.tokens_per_second == 4 / 12
+
+
+# Policies decide on hand-made states ----------------------------------------------------
+
+
+def _state(num_slots, in_slots, waiting):
+    """in_slots: (id, output_len, num_generated) per held slot; waiting: ids with length 5."""
+    requests = [Request(i, rid, 0.0, 0, length, done) for i, (rid, length, done) in enumerate(in_slots)]
+    queued = [Request(len(requests) + i, rid, 0.0, 0, 5) for i, rid in enumerate(waiting)]
+    state = SchedulerState(num_slots, requests + queued)
+    for slot, request in enumerate(requests):
+        state.slots[slot], request.slot = request, slot
+    state.waiting.extend(queued)
+    return state
+
+
+def test_continuous_replaces_finished_requests_fcfs():
+    state = _state(3, [(10, 4, 4), (11, 4, 2), (12, 3, 3)], waiting=[20, 21, 22])
+    decision = lk.Continuous(num_slots=3).schedule(state)
+    assert decision == Decision(release=(10, 12), admit=(20, 21), blocked="no_slot")
+    state.apply(decision)
+    assert [r.id for r in state.slots] == [20, 11, 21]
+    assert [r.id for r in state.waiting] == [22]
+
+
+def test_static_holds_slots_until_the_batch_ends():
+    running = _state(2, [(10, 4, 4), (11, 4, 2)], waiting=[20, 21, 22])
+    assert lk.Static(num_slots=2).schedule(running) == Decision(blocked="no_slot")
+    done = _state(2, [(10, 4, 4), (11, 4, 4)], waiting=[20, 21, 22])
+    assert lk.Static(num_slots=2).schedule(done) == Decision(release=(10, 11), admit=(20, 21), blocked="no_slot")
+
+
+def test_dynamic_asks_to_wake_at_the_timeout():
+    state = _state(4, [], waiting=[20])
+    state.waiting[0].arrival, state.now = 1.0, 1.2
+    assert lk.Dynamic(num_slots=4, timeout=0.5).schedule(state) == Decision(blocked="batch_forming", wake_at=1.5)
+
+
+def test_bad_decisions_are_refused():
+    state = _state(1, [(10, 4, 1)], waiting=[20])
+    with pytest.raises(ValueError, match="admits 1 requests but only 0 slots are free"):
+        state.apply(Decision(admit=(20,)))
+    with pytest.raises(ValueError, match="request 99, which is not in the trace"):
+        state.apply(Decision(release=(99,)))
+    with pytest.raises(ValueError, match="releases request 20, which holds no slot"):
+        state.apply(Decision(release=(20,)))
+
+
+def test_a_policy_that_never_admits_stops_with_a_reason():
+    class Lazy(lk.Continuous):
+        def schedule(self, state):
+            return Decision(blocked="lazy")
+
+    with pytest.raises(RuntimeError, match=r"can make no progress .* 3 requests wait \(lazy\)"):
+        lk.simulate(lk.Trace.from_lengths([1, 2, 3]), Lazy(num_slots=2))
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: lk.Static(num_slots=0), "num_slots = 0"),
+        (lambda: lk.Continuous(num_slots=2.5), "num_slots = 2.5"),
+        (lambda: lk.Dynamic(num_slots=True), "num_slots = True"),
+        (lambda: lk.Dynamic(num_slots=2, timeout=-1), "timeout = -1"),
+        (lambda: lk.Dynamic(num_slots=2, timeout=float("nan")), "timeout = nan"),
+        (lambda: lk.simulate(lk.Trace.toy(), lk.Static(2), step_time=0), "step_time = 0"),
+    ],
+)
+def test_bad_policy_input(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+# Invariants over random traces ---------------------------------------------------------
+
+POLICIES = [lk.Static, lk.Continuous, lambda n: lk.Dynamic(n, timeout=0.3)]
+
+
+@st.composite
+def traces(draw, spread=True):
+    lengths = draw(st.lists(st.integers(1, 25), min_size=1, max_size=25))
+    if spread and draw(st.booleans()):
+        gaps = draw(st.lists(st.sampled_from([0.0, 0.05, 0.1, 0.25, 1.0]), min_size=len(lengths), max_size=len(lengths)))
+        return lk.Trace.from_lengths(lengths, arrivals=np.cumsum(gaps))
+    return lk.Trace.from_lengths(lengths)
+
+
+@settings(max_examples=60, deadline=None)
+@given(trace=traces(), num_slots=st.integers(1, 6), make=st.sampled_from(POLICIES))
+def test_every_request_runs_exactly_its_length_once(trace, num_slots, make):
+    log = lk.simulate(trace, make(num_slots), step_time=0.1)
+    assert log.slots.shape == (log.num_steps, num_slots)
+    assert log.num_tokens == trace.output_lengths.sum() == (log.slots >= 0).sum()
+    for position, rid in enumerate(trace.ids):
+        steps = np.nonzero((log.slots == rid).any(axis=1))[0]
+        assert len(steps) == trace.output_lengths[position]  # finishes exactly once, one token per step
+        assert steps.tolist() == list(range(steps[0], steps[0] + len(steps)))  # never interrupted
+        assert (log.admit_step[position], log.finish_step[position]) == (steps[0], steps[-1])
+        assert log.admitted_at[position] >= trace.arrivals[position] - 1e-9
+
+
+@settings(max_examples=60, deadline=None)
+@given(trace=traces(), num_slots=st.integers(1, 6), make=st.sampled_from(POLICIES))
+def test_slots_hold_one_request_each_and_admission_is_fcfs(trace, num_slots, make):
+    log = lk.simulate(trace, make(num_slots), step_time=0.1)
+    for row in log.slots:
+        busy = row[row >= 0]
+        assert len(set(busy.tolist())) == len(busy) <= num_slots
+    fcfs = np.lexsort((np.arange(len(trace)), trace.arrivals))
+    assert np.all(np.diff(log.admit_step[fcfs]) >= 0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(trace=traces(), num_slots=st.integers(1, 6), make=st.sampled_from(POLICIES))
+def test_fast_forward_equals_asking_the_policy_every_step(trace, num_slots, make):
+    seen = []
+    stepped = lk.simulate(trace, make(num_slots), step_time=0.1, on_step=lambda log: seen.append(log.num_steps))
+    jumped = lk.simulate(trace, make(num_slots), step_time=0.1)
+    assert seen == list(range(1, jumped.num_steps + 1))
+    assert stepped.slots.tolist() == jumped.slots.tolist()
+    assert stepped.num_queued.tolist() == jumped.num_queued.tolist()
+    assert stepped.blocked.tolist() == jumped.blocked.tolist()
+    assert stepped.step_start == pytest.approx(jumped.step_start)
+
+
+@settings(max_examples=60, deadline=None)
+@given(trace=traces(spread=False), num_slots=st.integers(1, 6))
+def test_backlogged_continuous_finishes_nothing_later_than_static(trace, num_slots):
+    static = lk.simulate(trace, lk.Static(num_slots))
+    continuous = lk.simulate(trace, lk.Continuous(num_slots))
+    assert np.all(continuous.finish_step <= static.finish_step)
+    batches = [trace.output_lengths[i : i + num_slots] for i in range(0, len(trace), num_slots)]
+    assert static.num_steps == sum(batch.max() for batch in batches)
+
+
+@settings(max_examples=60, deadline=None)
+@given(trace=traces(), num_slots=st.integers(1, 6))
+def test_continuous_never_idles_a_slot_while_requests_wait(trace, num_slots):
+    log = lk.simulate(trace, lk.Continuous(num_slots), step_time=0.1)
+    assert np.all((log.slots >= 0).all(axis=1)[log.num_queued > 0])
+
+
+@settings(max_examples=40, deadline=None)
+@given(length=st.integers(1, 30), num_requests=st.integers(1, 30), num_slots=st.integers(1, 6))
+def test_equal_lengths_give_static_and_continuous_the_same_steps(length, num_requests, num_slots):
+    trace = lk.Trace.from_lengths([length] * num_requests)
+    static = lk.simulate(trace, lk.Static(num_slots))
+    continuous = lk.simulate(trace, lk.Continuous(num_slots))
+    assert static.num_steps == continuous.num_steps == length * -(-num_requests // num_slots)
+
+
+def test_fast_forward_comparison_can_fail_for_a_policy_that_breaks_the_event_rule():
+    """Negative control: a policy that looks at the step counter is not event-driven,
+    so running its decision for many steps differs from asking it every step."""
+
+    class EvenStepsOnly(lk.Continuous):
+        def schedule(self, state):
+            decision = super().schedule(state)
+            return decision if state.num_steps % 2 == 0 else Decision(release=decision.release)
+
+    trace = lk.Trace.from_lengths([3, 2, 4, 1])  # A ends at odd step 3: only stepping retries at 4
+    stepped = lk.simulate(trace, EvenStepsOnly(num_slots=2), on_step=lambda log: None)
+    jumped = lk.simulate(trace, EvenStepsOnly(num_slots=2))
+    assert stepped.slots.tolist() != jumped.slots.tolist()

@@ -1,0 +1,152 @@
+"""Traces: construction, sampling, CSV loading and bad input."""
+
+import gzip
+
+import numpy as np
+import pytest
+
+import labkit as lk
+
+
+def test_toy_trace():
+    toy = lk.Trace.toy()
+    assert toy.output_lengths.tolist() == [2, 6, 3, 8, 2, 4, 5, 2]
+    assert toy.prompt_lengths.tolist() == [0] * 8
+    assert toy.arrivals.tolist() == [0.0] * 8
+    assert toy.labels == tuple("ABCDEFGH")
+
+
+def test_from_lengths_defaults_and_columns():
+    trace = lk.Trace.from_lengths([5, 9, 2], prompt_lengths=[1, 2, 3], arrivals=[0, 0.5, 0.25])
+    assert len(trace) == 3
+    assert trace.ids.tolist() == [0, 1, 2]
+    assert trace.prompt_lengths.tolist() == [1, 2, 3]
+    assert trace.arrivals.tolist() == [0, 0.5, 0.25]
+    assert trace.output_lengths.dtype == np.int64
+
+
+def test_select_keeps_ids_and_backlogged_zeroes_arrivals():
+    trace = lk.Trace.from_lengths([5, 9, 2, 7, 1, 4], arrivals=[0, 1, 2, 3, 4, 5])
+    sub = trace.select([3, 5])
+    assert sub.ids.tolist() == [3, 5]
+    assert sub.output_lengths.tolist() == [7, 4]
+    assert sub.arrivals.tolist() == [3, 5]
+    assert sub.backlogged().arrivals.tolist() == [0, 0]
+    assert sub.backlogged().ids.tolist() == [3, 5]
+
+
+def test_trace_columns_are_read_only():
+    trace = lk.Trace.toy()
+    with pytest.raises(ValueError):
+        trace.output_lengths[0] = 99
+
+
+@pytest.mark.parametrize("output", ["exponential", "uniform", "equal", "lognormal"])
+def test_sample_hits_the_mean(output):
+    trace = lk.Trace.sample(50_000, output=output, mean_output=64, seed=1)
+    assert trace.output_lengths.min() >= 1
+    assert trace.output_lengths.mean() == pytest.approx(64, rel=0.03)
+
+
+def test_sample_is_seeded_and_equal_is_constant():
+    a = lk.Trace.sample(100, seed=7)
+    b = lk.Trace.sample(100, seed=7)
+    c = lk.Trace.sample(100, seed=8)
+    assert a.output_lengths.tolist() == b.output_lengths.tolist()
+    assert a.output_lengths.tolist() != c.output_lengths.tolist()
+    assert set(lk.Trace.sample(20, output="equal", mean_output=12).output_lengths.tolist()) == {12}
+
+
+def test_sample_empirical_draws_from_the_source_trace():
+    source = lk.Trace.from_lengths([3, 11, 40], prompt_lengths=[5, 6, 7])
+    trace = lk.Trace.sample(500, output=source, prompt=source, seed=0)
+    assert set(trace.output_lengths.tolist()) == {3, 11, 40}
+    assert set(trace.prompt_lengths.tolist()) == {5, 6, 7}
+
+
+def test_sample_arrivals_poisson_rate():
+    trace = lk.Trace.sample(20_000, rate=4.0, seed=3)
+    gaps = np.diff(trace.arrivals)
+    assert trace.arrivals[0] == 0
+    assert (gaps >= 0).all()
+    assert gaps.mean() == pytest.approx(0.25, rel=0.03)
+    assert gaps.std() / gaps.mean() == pytest.approx(1.0, rel=0.05)  # exponential gaps: CV 1
+
+
+def test_burstiness_below_one_raises_the_spread_of_gaps():
+    bursty = np.diff(lk.Trace.sample(20_000, rate=4.0, burstiness=0.25, seed=3).arrivals)
+    assert bursty.mean() == pytest.approx(0.25, rel=0.05)
+    assert bursty.std() / bursty.mean() == pytest.approx(2.0, rel=0.08)  # gamma CV = 1/sqrt(shape)
+
+
+def test_from_csv_reads_the_azure_format(tmp_path):
+    path = tmp_path / "t.csv"
+    path.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        "2023-11-16 18:15:46.6805900,374,44\n"
+        "2023-11-16 18:15:50.9951690,396,109\n"
+    )
+    trace = lk.Trace.from_csv(path)
+    assert trace.prompt_lengths.tolist() == [374, 396]
+    assert trace.output_lengths.tolist() == [44, 109]
+    assert trace.arrivals.tolist() == pytest.approx([0.0, 4.314579])
+
+
+def test_azure_trace_ships_with_the_package():
+    trace = lk.Trace.azure_conv()
+    assert len(trace) == 19_366
+    assert trace.arrivals[0] == 0
+    assert int(trace.output_lengths.sum()) == 4_088_665
+
+
+def test_from_csv_reads_gzip(tmp_path):
+    path = tmp_path / "t.csv.gz"
+    with gzip.open(path, "wt") as handle:
+        handle.write("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.68,10,3\n")
+    assert lk.Trace.from_csv(path).output_lengths.tolist() == [3]
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: lk.Trace.from_lengths([]), "output_lengths is empty"),
+        (lambda: lk.Trace.from_lengths([3, 0]), r"output_lengths\[1\] = 0"),
+        (lambda: lk.Trace.from_lengths([3, -2]), r"output_lengths\[1\] = -2"),
+        (lambda: lk.Trace.from_lengths([3, 2.5]), r"output_lengths\[1\] = 2.5"),
+        (lambda: lk.Trace.from_lengths([float("nan")]), r"output_lengths\[0\] = nan"),
+        (lambda: lk.Trace.from_lengths(["a", "b"]), "output_lengths must hold numbers"),
+        (lambda: lk.Trace.from_lengths([3, 4], prompt_lengths=[1]), "prompt_lengths has 1 entries"),
+        (lambda: lk.Trace.from_lengths([3, 4], arrivals=[0, 1, 2]), "arrivals has 3 entries"),
+        (lambda: lk.Trace.from_lengths([3, 4], arrivals=[0, -1]), r"arrivals\[1\] = -1"),
+        (lambda: lk.Trace.from_lengths([3], prompt_lengths=[-1]), r"prompt_lengths\[0\] = -1"),
+        (lambda: lk.Trace.sample(10, output="pareto"), "output = 'pareto'"),
+        (lambda: lk.Trace.sample(10, prompt="zipf"), "prompt = 'zipf'"),
+        (lambda: lk.Trace.sample(0), "num_requests = 0"),
+        (lambda: lk.Trace.sample(10, mean_output=0), "mean_output = 0"),
+        (lambda: lk.Trace.sample(10, rate=-1.0), "rate = -1.0"),
+        (lambda: lk.Trace.sample(10, rate=1.0, burstiness=0), "burstiness = 0"),
+        (lambda: lk.Trace.sample(10, output="lognormal", sigma=0), "sigma = 0"),
+        (lambda: lk.Trace.toy().select([8]), r"select\(\[8\]\)"),
+    ],
+)
+def test_bad_input_names_the_field_and_value(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ("TIMESTAMP,ContextTokens\n2023-11-16 18:15:46,1\n", r"missing column\(s\) \['GeneratedTokens'\]"),
+        ("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46,1,2\nyesterday,1,2\n", "bad row at line 3"),
+        ("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46,1,two\n", "bad row at line 2"),
+        ("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46,1\n", "bad row at line 2"),
+        ("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46,1,0\n", r"output_lengths\[0\] = 0"),
+        ("TIMESTAMP,ContextTokens,GeneratedTokens\n", "no rows"),
+    ],
+)
+def test_bad_csv_says_which_column_or_row(tmp_path, body, message):
+    path = tmp_path / "bad.csv"
+    path.write_text(body)
+    with pytest.raises(ValueError, match=message):
+        lk.Trace.from_csv(path)
