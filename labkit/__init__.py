@@ -1,11 +1,31 @@
 """labkit: predict, run and see iteration-level scheduling (continuous batching).
 
 Layers, each importing only those before it: traffic, theory -> sched -> engine, viz.
-Importing labkit loads numpy only; `labkit.viz` loads plotly and ipywidgets on use.
+Importing labkit loads numpy only; `labkit.viz` loads plotly and ipywidgets when first used.
 """
 
+import importlib
+
 from labkit import theory
-from labkit.sched import Continuous, Decision, Dynamic, SchedulerState, Static, StepLog, simulate
+from labkit.sched import Continuous, Decision, Dynamic, SchedulerState, Static, StepLog, metrics, simulate
 from labkit.traffic import Trace
 
-__all__ = ["Continuous", "Decision", "Dynamic", "SchedulerState", "Static", "StepLog", "Trace", "simulate", "theory"]
+__all__ = [
+    "Continuous",
+    "Decision",
+    "Dynamic",
+    "SchedulerState",
+    "Static",
+    "StepLog",
+    "Trace",
+    "metrics",
+    "simulate",
+    "theory",
+    "viz",
+]
+
+
+def __getattr__(name: str):
+    if name == "viz":
+        return importlib.import_module("labkit.viz")
+    raise AttributeError(f"module 'labkit' has no attribute {name!r}")

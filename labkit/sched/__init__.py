@@ -1,5 +1,6 @@
 """labkit.sched: every scheduling decision and every counter. Imports numpy and labkit.traffic only."""
 
+from labkit.sched import metrics
 from labkit.sched.policy import Continuous, Decision, Dynamic, Static
 from labkit.sched.simulator import DEFAULT_STEP_TIME, simulate
 from labkit.sched.state import Request, SchedulerState
@@ -14,5 +15,6 @@ __all__ = [
     "SchedulerState",
     "Static",
     "StepLog",
+    "metrics",
     "simulate",
 ]

@@ -1,0 +1,31 @@
+"""Lesson hygiene: committed notebooks are executed, small, in order, and free of widget state.
+
+nbval (run by `make test` on notebooks/) checks that their outputs are reproduced.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+
+NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))
+MAX_BYTES = 300_000
+
+
+def test_the_lessons_exist():
+    names = [path.name for path in NOTEBOOKS]
+    assert "01_static_vs_continuous.ipynb" in names
+    assert "02_how_much_it_buys.ipynb" in names
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebook_is_small_and_holds_no_widget_state(path):
+    assert path.stat().st_size <= MAX_BYTES
+    assert "widgets" not in json.loads(path.read_text())["metadata"]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebook_cells_were_executed_top_to_bottom(path):
+    cells = [c for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code"]
+    counts = [c["execution_count"] for c in cells]
+    assert counts == list(range(1, len(cells) + 1)), "re-run the notebook top to bottom before committing"
