@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: lab test bench clean
+.PHONY: lab test bench notebooks clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,9 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_simulate.py
+
+notebooks: $(STAMP)
+	$(PY) tools/run_notebooks.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,18 @@
+"""labkit.viz: pixels. Figures and widgets that read a `StepLog` (or theory numbers) and nothing else.
+
+Imports plotly, ipywidgets, numpy and the labkit layers above it; it never runs an engine,
+and it keeps no module-level mutable state.
+"""
+
+from labkit.viz.figures import harmonic_curves, request_color, show_steps, slot_diagram, utilization_bars
+from labkit.viz.stepper import ScheduleStepper, progress_text
+
+__all__ = [
+    "ScheduleStepper",
+    "harmonic_curves",
+    "progress_text",
+    "request_color",
+    "show_steps",
+    "slot_diagram",
+    "utilization_bars",
+]

@@ -1,0 +1,175 @@
+"""Static figures: slot diagrams, utilization bars and the harmonic curve.
+
+Invariants:
+
+- every figure is a pure function of its arguments: a `StepLog`, a dict of them, or
+  plain numbers; nothing here runs a simulator or keeps state between calls;
+- in a slot diagram, step s covers [s, s+1) on the x axis ("step") and slot k sits on
+  row k of the y axis ("slot"), slot 0 on top; one horizontal bar is one contiguous
+  run of one request in one slot, so the bar count grows with runs, not with steps;
+- idle slot-steps draw nothing, and a request's colour depends on its id alone, so a
+  request looks the same in every diagram of the same trace;
+- utilizations are fractions in the data and read as percent on the axes.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+import plotly.graph_objects as go
+from plotly.colors import qualitative
+
+from labkit.sched import StepLog
+from labkit.theory import exponential_utilization
+
+PALETTE = tuple(qualitative.Plotly)
+SEED_BATCH_SIZES = (8, 32, 64)
+_MAX_SLOT_ROWS = 16  # a slot diagram grows with the slot count up to this many rows, then packs them
+
+
+class _Runs(NamedTuple):
+    """Contiguous runs of one request in one slot; a run covers steps [start, stop)."""
+
+    slot: np.ndarray
+    request: np.ndarray
+    start: np.ndarray
+    stop: np.ndarray
+
+
+def request_color(request_id: int) -> str:
+    """The colour of a request in every slot diagram."""
+    return PALETTE[int(request_id) % len(PALETTE)]
+
+
+def _slot_runs(log: StepLog) -> _Runs:
+    columns = []
+    for slot, ids in enumerate(log.slots.T):
+        changes = np.flatnonzero(np.diff(ids)) + 1
+        starts = np.concatenate([[0], changes])
+        stops = np.concatenate([changes, [len(ids)]])
+        busy = ids[starts] >= 0
+        columns.append((np.full(busy.sum(), slot), ids[starts][busy], starts[busy], stops[busy]))
+    return _Runs(*(np.concatenate(parts).astype(np.int64) for parts in zip(*columns)))
+
+
+def _labels(log: StepLog, request_ids: np.ndarray) -> list[str]:
+    label_of = dict(zip(log.trace.ids.tolist(), log.trace.labels))
+    return [label_of[request_id] for request_id in request_ids.tolist()]
+
+
+def _visible(runs: _Runs, labels: list[str], step: int) -> tuple[np.ndarray, list[str]]:
+    """Bar lengths and texts when only steps [0, step) are shown."""
+    lengths = np.clip(np.minimum(runs.stop, step) - runs.start, 0, None)
+    return lengths, [label if length else "" for label, length in zip(labels, lengths)]
+
+
+def _run_bars(log: StepLog) -> go.Bar:
+    runs = _slot_runs(log)
+    labels = _labels(log, runs.request)
+    lengths, texts = _visible(runs, labels, log.num_steps)
+    hover = [
+        f"{label}: slot {slot}, steps {start}–{stop - 1}"
+        for label, slot, start, stop in zip(labels, runs.slot.tolist(), runs.start.tolist(), runs.stop.tolist())
+    ]
+    return go.Bar(
+        orientation="h",
+        base=runs.start,
+        x=lengths,
+        y=runs.slot,
+        text=texts,
+        textposition="inside",
+        insidetextanchor="middle",
+        hovertext=hover,
+        hoverinfo="text",
+        marker=dict(color=[request_color(r) for r in runs.request.tolist()], line=dict(color="white", width=1)),
+        width=0.8,
+        showlegend=False,
+    )
+
+
+def slot_diagram(log: StepLog, title: str | None = None) -> go.Figure:
+    """Who holds which slot at every step: one row per slot, one bar per run of a request."""
+    if title is None:
+        title = f"{log.policy}: {log.num_steps} steps, utilization {log.utilization:.1%}"
+    num_rows = min(log.num_slots, _MAX_SLOT_ROWS)
+    fig = go.Figure(_run_bars(log))
+    fig.update_layout(
+        title=title,
+        height=110 + 40 * num_rows,
+        margin=dict(l=50, r=20, t=50, b=40),
+        plot_bgcolor="white",
+        uniformtext=dict(minsize=8, mode="hide"),
+    )
+    fig.update_xaxes(title="step", range=[0, max(log.num_steps, 1)], showgrid=True, gridcolor="#e5e5e5")
+    fig.update_yaxes(
+        title="slot",
+        range=[log.num_slots - 0.5, -0.5],
+        tick0=0,
+        dtick=-(-log.num_slots // _MAX_SLOT_ROWS),
+        showgrid=False,
+    )
+    return fig
+
+
+def show_steps(fig: go.Figure, log: StepLog, step: int) -> None:
+    """Clip `fig`, a `slot_diagram(log)`, to steps [0, step), in one update message."""
+    runs = _slot_runs(log)
+    lengths, texts = _visible(runs, _labels(log, runs.request), step)
+    with fig.batch_update():
+        fig.data[0].x = lengths
+        fig.data[0].text = texts
+
+
+def utilization_bars(logs: dict[str, StepLog]) -> go.Figure:
+    """One bar per named log: its utilization, printed on the bar."""
+    names = list(logs)
+    values = [logs[name].utilization for name in names]
+    fig = go.Figure(go.Bar(x=names, y=values, text=[f"{value:.1%}" for value in values], textposition="outside"))
+    fig.update_layout(title="Slot utilization", height=350, plot_bgcolor="white", margin=dict(t=50, b=40))
+    fig.update_yaxes(title="utilization", tickformat=".0%", range=[0, 1.1], dtick=0.2, gridcolor="#e5e5e5")
+    return fig
+
+
+def harmonic_curves(
+    batch_sizes=range(1, 65),
+    monte_carlo: dict[int, float] | None = None,
+    seeds=SEED_BATCH_SIZES,
+    curves: dict[str, dict[int, float]] | None = None,
+) -> go.Figure:
+    """Static utilization against batch size B: the theory line 1/H_B for exponential lengths.
+
+    monte_carlo: {B: measured utilization} drawn as points, for example
+        `{b: theory.monte_carlo("exponential", b).pooled[-1] for b in (2, 8, 32)}`.
+    seeds: batch sizes marked on the line and annotated with their value.
+    curves: extra named lines {name: {B: utilization}}, e.g. other length distributions.
+    """
+    sizes = np.asarray(list(batch_sizes))
+    seed_sizes = np.asarray(list(seeds))
+    fig = go.Figure(go.Scatter(x=sizes, y=exponential_utilization(sizes), mode="lines", name="theory: 1/H_B"))
+    for name, points in (curves or {}).items():
+        fig.add_trace(_curve(points, name, mode="lines+markers"))
+    if monte_carlo:
+        fig.add_trace(_curve(monte_carlo, "Monte Carlo", mode="markers", marker=dict(symbol="x", size=9)))
+    if len(seed_sizes):
+        seed_values = exponential_utilization(seed_sizes)
+        fig.add_trace(
+            go.Scatter(
+                x=seed_sizes,
+                y=seed_values,
+                mode="markers+text",
+                text=[f"B={b}: {value:.1%}" for b, value in zip(seed_sizes.tolist(), seed_values)],
+                textposition="top right",
+                marker=dict(size=10, color="black"),
+                name="marked",
+            )
+        )
+    fig.update_layout(title="Static batching, exponential lengths: U(B) = 1/H_B", height=420, plot_bgcolor="white")
+    fig.update_xaxes(title="batch size B", gridcolor="#e5e5e5")
+    fig.update_yaxes(title="static utilization", tickformat=".0%", rangemode="tozero", gridcolor="#e5e5e5")
+    return fig
+
+
+def _curve(points: dict[int, float], name: str, **style) -> go.Scatter:
+    """A {B: utilization} dict as a scatter trace."""
+    return go.Scatter(x=list(points), y=list(points.values()), name=name, **style)

@@ -1,0 +1,35 @@
+"""Execute lessons in place, top to bottom, and drop widget state before they are committed.
+
+Usage: python tools/run_notebooks.py [notebooks/01_*.ipynb ...]   (default: every lesson)
+
+Committed lessons keep outputs and execution counts (nbval compares them) but no
+`metadata.widgets`, which would store megabytes of widget JavaScript.
+"""
+
+import sys
+import time
+from pathlib import Path
+
+import nbformat
+from nbclient import NotebookClient
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(path: Path) -> float:
+    notebook = nbformat.read(path, as_version=4)
+    start = time.perf_counter()
+    NotebookClient(notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}).execute()
+    seconds = time.perf_counter() - start
+    notebook.metadata.pop("widgets", None)
+    nbformat.write(notebook, path)
+    return seconds
+
+
+def main(paths: list[str]) -> None:
+    for path in [Path(p) for p in paths] or sorted((ROOT / "notebooks").glob("*.ipynb")):
+        print(f"{path.name}: executed in {run(path):.1f} s, {path.stat().st_size / 1000:.0f} KB")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
