@@ -4,12 +4,22 @@ Imports plotly, ipywidgets, numpy and the labkit layers above it; it never runs 
 and it keeps no module-level mutable state.
 """
 
-from labkit.viz.figures import harmonic_curves, request_color, show_steps, slot_diagram, utilization_bars
+from labkit.viz.figures import (
+    harmonic_curves,
+    length_histogram,
+    monte_carlo_convergence,
+    request_color,
+    show_steps,
+    slot_diagram,
+    utilization_bars,
+)
 from labkit.viz.stepper import ScheduleStepper, progress_text
 
 __all__ = [
     "ScheduleStepper",
     "harmonic_curves",
+    "length_histogram",
+    "monte_carlo_convergence",
     "progress_text",
     "request_color",
     "show_steps",

@@ -1,4 +1,4 @@
-"""Static figures: slot diagrams, utilization bars and the harmonic curve.
+"""Static figures: slot diagrams, utilization bars, the harmonic curve and theory plots.
 
 Invariants:
 
@@ -21,11 +21,12 @@ import plotly.graph_objects as go
 from plotly.colors import qualitative
 
 from labkit.sched import StepLog
-from labkit.theory import exponential_utilization
+from labkit.theory import MonteCarlo, exponential_utilization
+from labkit.traffic import Trace
 
 PALETTE = tuple(qualitative.Plotly)
 SEED_BATCH_SIZES = (8, 32, 64)
-_MAX_SLOT_ROWS = 16  # a slot diagram grows with the slot count up to this many rows, then packs them
+_MAX_SLOT_ROWS = 16  # a slot diagram grows taller up to this many slots; past it, rows thin and ticks space out
 
 
 class _Runs(NamedTuple):
@@ -43,11 +44,12 @@ def request_color(request_id: int) -> str:
 
 
 def _slot_runs(log: StepLog) -> _Runs:
+    """Every run of a request in a slot, ordered by slot, then start."""
     columns = []
     for slot, ids in enumerate(log.slots.T):
-        changes = np.flatnonzero(np.diff(ids)) + 1
-        starts = np.concatenate([[0], changes])
-        stops = np.concatenate([changes, [len(ids)]])
+        # -2 is never an id, so the first step starts a run and the last one ends one
+        starts = np.flatnonzero(np.diff(ids, prepend=-2))
+        stops = np.flatnonzero(np.diff(ids, append=-2)) + 1
         busy = ids[starts] >= 0
         columns.append((np.full(busy.sum(), slot), ids[starts][busy], starts[busy], stops[busy]))
     return _Runs(*(np.concatenate(parts).astype(np.int64) for parts in zip(*columns)))
@@ -145,31 +147,64 @@ def harmonic_curves(
     curves: extra named lines {name: {B: utilization}}, e.g. other length distributions.
     """
     sizes = np.asarray(list(batch_sizes))
-    seed_sizes = np.asarray(list(seeds))
     fig = go.Figure(go.Scatter(x=sizes, y=exponential_utilization(sizes), mode="lines", name="theory: 1/H_B"))
     for name, points in (curves or {}).items():
         fig.add_trace(_curve(points, name, mode="lines+markers"))
     if monte_carlo:
         fig.add_trace(_curve(monte_carlo, "Monte Carlo", mode="markers", marker=dict(symbol="x", size=9)))
-    if len(seed_sizes):
-        seed_values = exponential_utilization(seed_sizes)
-        fig.add_trace(
-            go.Scatter(
-                x=seed_sizes,
-                y=seed_values,
-                mode="markers+text",
-                text=[f"B={b}: {value:.1%}" for b, value in zip(seed_sizes.tolist(), seed_values)],
-                textposition="top right",
-                marker=dict(size=10, color="black"),
-                name="marked",
-            )
-        )
-    fig.update_layout(title="Static batching, exponential lengths: U(B) = 1/H_B", height=420, plot_bgcolor="white")
+    if len(seeds):
+        fig.add_trace(_seed_points(seeds))
+    fig.update_layout(
+        title="Static batching, exponential lengths: U(B) = 1/H_B",
+        height=420,
+        plot_bgcolor="white",
+        margin=dict(r=100),
+    )
     fig.update_xaxes(title="batch size B", gridcolor="#e5e5e5")
     fig.update_yaxes(title="static utilization", tickformat=".0%", rangemode="tozero", gridcolor="#e5e5e5")
     return fig
 
 
+def _seed_points(seeds) -> go.Scatter:
+    """The theory line's value at each seed batch size, marked and written out."""
+    sizes = np.asarray(list(seeds))
+    values = exponential_utilization(sizes)
+    return go.Scatter(
+        x=sizes,
+        y=values,
+        mode="markers+text",
+        text=[f"B={b}: {value:.1%}" for b, value in zip(sizes.tolist(), values)],
+        textposition="top right",
+        cliponaxis=False,
+        marker=dict(size=10, color="black"),
+        name="marked values",
+    )
+
+
 def _curve(points: dict[int, float], name: str, **style) -> go.Scatter:
     """A {B: utilization} dict as a scatter trace."""
     return go.Scatter(x=list(points), y=list(points.values()), name=name, **style)
+
+
+def monte_carlo_convergence(result: MonteCarlo) -> go.Figure:
+    """Running estimates over repeated batches: pooled utilization against the mean of per-batch ratios."""
+    batches = np.arange(1, len(result.pooled) + 1)
+    fig = go.Figure()
+    fig.add_trace(go.Scatter(x=batches, y=result.pooled, name="pooled: ΣL / (B·Σmax)"))
+    fig.add_trace(go.Scatter(x=batches, y=result.mean_of_ratios, name="mean of per-batch ratios"))
+    fig.add_hline(y=exponential_utilization(result.batch_size), line_dash="dot", annotation_text="1/H_B")
+    fig.update_layout(title=f"Repeated static batches, B = {result.batch_size}", height=380, plot_bgcolor="white")
+    fig.update_xaxes(title="batches drawn", type="log", gridcolor="#e5e5e5")
+    fig.update_yaxes(title="utilization estimate", tickformat=".0%", gridcolor="#e5e5e5")
+    return fig
+
+
+def length_histogram(trace: Trace, bins: int = 100) -> go.Figure:
+    """The distribution of a trace's output lengths, with its mean marked."""
+    lengths = trace.output_lengths
+    fig = go.Figure(go.Histogram(x=lengths, nbinsx=bins, name="requests"))
+    fig.add_vline(x=float(lengths.mean()), line_dash="dot", annotation_text=f"mean {lengths.mean():.0f}")
+    fig.update_layout(title=f"Output lengths of {len(trace):,} requests", height=350, plot_bgcolor="white", bargap=0.05)
+    fig.update_xaxes(title="output tokens")
+    fig.update_yaxes(title="requests", gridcolor="#e5e5e5")
+    return fig

@@ -5,7 +5,7 @@ Invariants:
 - the figures and counters always show `self.logs` clipped to the first `self.step`
   steps; a policy that has finished shows its whole schedule;
 - `self.logs`, `self.lengths`, `self.num_slots` and `self.equal_lengths` describe the
-  last valid input; invalid input changes only the error label, never raises;
+  last valid input; invalid input changes nothing but the error label, and never raises;
 - stepping sends one batched update per figure and rebuilds nothing.
 
 DOM classes for browser tests: labkit-lengths, labkit-num-slots, labkit-equal,
@@ -55,7 +55,8 @@ def equalized(trace: Trace) -> Trace:
 
 
 def progress_text(log: StepLog, step: int) -> str:
-    """Counters after the first `step` steps: step, tokens, utilization so far, requests waiting."""
+    """Counters after the first `step` steps: step, tokens and utilization so far, and the
+    requests waiting during the last step shown (before the first step, at step 0)."""
     step = min(step, log.num_steps)
     num_tokens = int(np.count_nonzero(log.slots[:step] >= 0))
     utilization = f"{num_tokens / (log.num_slots * step):.1%}" if step else "–"
@@ -75,32 +76,40 @@ class ScheduleStepper(widgets.VBox):
     def __init__(self, lengths=TOY_OUTPUT_LENGTHS, num_slots: int = 2, equal_lengths: bool = False):
         super().__init__()
         self._simulate(lengths, num_slots, equal_lengths)
-        self.lengths_box = widgets.Text(", ".join(map(str, self.lengths)), description="output lengths",
-                                        continuous_update=False).add_class("labkit-lengths")
-        self.num_slots_box = widgets.IntText(num_slots, description="slots",
-                                             continuous_update=False).add_class("labkit-num-slots")
-        self.equal_toggle = widgets.ToggleButton(equal_lengths, description="equal lengths").add_class("labkit-equal")
+        self.counters = {name: widgets.Label().add_class(f"labkit-counter-{name}") for name, _ in POLICIES}
+        self.panels = {name: widgets.VBox() for name, _ in POLICIES}
+        self.figures: dict[str, go.FigureWidget] = {}
         self.error = widgets.Label(style=dict(text_color="#b00020")).add_class("labkit-error")
+        self.children = [self._inputs(), self.error, self._controls(), *self.panels.values()]
+        self._show_logs()
+
+    def _inputs(self) -> widgets.HBox:
+        """Output lengths, slot count and the equal-lengths toggle; any change re-simulates."""
+        self.lengths_box = widgets.Text(
+            ", ".join(map(str, self.lengths)), description="output lengths", continuous_update=False
+        ).add_class("labkit-lengths")
+        self.num_slots_box = widgets.IntText(
+            self.num_slots, description="slots", continuous_update=False
+        ).add_class("labkit-num-slots")
+        self.equal_toggle = widgets.ToggleButton(self.equal_lengths, description="equal lengths").add_class(
+            "labkit-equal"
+        )
+        boxes = [self.lengths_box, self.num_slots_box, self.equal_toggle]
+        for box in boxes:
+            box.observe(lambda _: self._on_input(), names="value")
+        return widgets.HBox(boxes)
+
+    def _controls(self) -> widgets.HBox:
+        """Play, step back, the step slider and step forward."""
         self.play = widgets.Play(interval=PLAY_INTERVAL_MS).add_class("labkit-play")
         self.slider = widgets.IntSlider(description="step").add_class("labkit-step")
         widgets.jslink((self.play, "value"), (self.slider, "value"))
+        self.slider.observe(lambda change: self._draw(change["new"]), names="value")
         back = widgets.Button(icon="step-backward", tooltip="step back").add_class("labkit-step-back")
         forward = widgets.Button(icon="step-forward", tooltip="step forward").add_class("labkit-step-forward")
         back.on_click(lambda _: self.go_to(self.step - 1))
         forward.on_click(lambda _: self.go_to(self.step + 1))
-        self.counters = {name: widgets.Label().add_class(f"labkit-counter-{name}") for name, _ in POLICIES}
-        self.panels = {name: widgets.VBox() for name, _ in POLICIES}
-        self.figures: dict[str, go.FigureWidget] = {}
-        self.children = [
-            widgets.HBox([self.lengths_box, self.num_slots_box, self.equal_toggle]),
-            self.error,
-            widgets.HBox([self.play, back, self.slider, forward]),
-            *self.panels.values(),
-        ]
-        self._show_logs()
-        self.slider.observe(lambda change: self._draw(change["new"]), names="value")
-        for box in (self.lengths_box, self.num_slots_box, self.equal_toggle):
-            box.observe(lambda _: self._on_input(), names="value")
+        return widgets.HBox([self.play, back, self.slider, forward])
 
     def __repr__(self) -> str:
         equal = ", equal_lengths=True" if self.equal_lengths else ""
@@ -148,7 +157,7 @@ class ScheduleStepper(widgets.VBox):
             self.figures[name] = figure
         self.play.max = self.slider.max = longest
         self.slider.value = longest
-        self._draw(longest)
+        self._draw(longest)  # the slider may already stand at `longest`, so draw in any case
 
     def _draw(self, step: int) -> None:
         for name, log in self.logs.items():
