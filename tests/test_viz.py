@@ -181,6 +181,7 @@ def test_progress_text_past_the_end_stays_at_the_end(toy_logs):
         ("2.5, 3", 2, "whole number"),
         ("", 2, "output_lengths is empty"),
         ("2, 6, 3, 8, 2, 4, 5, 2", 0, "num_slots = 0: must be a whole number >= 1"),
+        (", ".join(["3"] * 201), 2, "201 requests is more than the stepper draws (at most 200)"),
     ],
 )
 def test_invalid_input_shows_a_message_and_keeps_the_last_view(stepper, lengths, num_slots, message):

@@ -28,6 +28,7 @@ from labkit.viz.figures import show_steps, slot_diagram
 
 POLICIES = (("static", Static), ("continuous", Continuous))
 PLAY_INTERVAL_MS = 500
+MAX_REQUESTS = 200  # the stepper is for traces you can read bar by bar
 
 
 def parse_lengths(text: str) -> list[float]:
@@ -130,6 +131,11 @@ class ScheduleStepper(widgets.VBox):
 
     def _simulate(self, lengths, num_slots, equal_lengths) -> None:
         """Set logs and inputs together, or raise ValueError and change nothing."""
+        if len(lengths) > MAX_REQUESTS:
+            raise ValueError(
+                f"output lengths: {len(lengths)} requests is more than the stepper draws (at most {MAX_REQUESTS}); "
+                "use lk.simulate and lk.viz.slot_diagram for bigger traces"
+            )
         trace = lettered_trace(lengths)
         shown = equalized(trace) if equal_lengths else trace
         logs = {name: simulate(shown, policy(num_slots=num_slots)) for name, policy in POLICIES}
