@@ -155,7 +155,7 @@ def harmonic_curves(
     if len(seeds):
         fig.add_trace(_seed_points(seeds))
     fig.update_layout(
-        title="Static batching, exponential lengths: U(B) = 1/H_B",
+        title="Static batching: utilization against batch size B",
         height=420,
         plot_bgcolor="white",
         margin=dict(r=100),

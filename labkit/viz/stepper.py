@@ -87,7 +87,7 @@ class ScheduleStepper(widgets.VBox):
     def _inputs(self) -> widgets.HBox:
         """Output lengths, slot count and the equal-lengths toggle; any change re-simulates."""
         self.lengths_box = widgets.Text(
-            ", ".join(map(str, self.lengths)), description="output lengths", continuous_update=False
+            ", ".join(map(str, self.lengths)), description="output lengths", continuous_update=False, style={"description_width": "initial"}
         ).add_class("labkit-lengths")
         self.num_slots_box = widgets.IntText(
             self.num_slots, description="slots", continuous_update=False
