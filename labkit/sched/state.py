@@ -32,10 +32,6 @@ class Request:
     slot: int = -1
 
     @property
-    def num_remaining(self) -> int:
-        return self.output_len - self.num_generated
-
-    @property
     def is_finished(self) -> bool:
         return self.num_generated == self.output_len
 
@@ -63,9 +59,6 @@ class SchedulerState:
 
     def num_free_slots(self) -> int:
         return self.slots.count(None)
-
-    def is_idle(self) -> bool:
-        return self.num_free_slots() == self.num_slots
 
     def waiting_head(self, count: int) -> list[Request]:
         """The first `count` waiting requests, FCFS."""

@@ -1,0 +1,45 @@
+"""Serving metrics derived from a StepLog."""
+
+import numpy as np
+import pytest
+
+import labkit as lk
+from labkit import metrics
+
+
+@pytest.fixture(scope="module")
+def toy_continuous():
+    return lk.simulate(lk.Trace.toy(), lk.Continuous(num_slots=2), step_time=1.0)
+
+
+def test_token_times_group_tokens_by_request(toy_continuous):
+    ids, times = metrics.token_times(toy_continuous)
+    assert ids.tolist() == sorted(np.repeat(np.arange(8), [2, 6, 3, 8, 2, 4, 5, 2]).tolist())
+    assert times[ids == 3].tolist() == [6, 7, 8, 9, 10, 11, 12, 13]  # D runs steps 5..12
+
+
+def test_itl_pools_every_gap_within_a_request(toy_continuous):
+    gaps = metrics.itl(toy_continuous)
+    assert len(gaps) == 32 - 8
+    assert set(gaps.tolist()) == {1.0}
+
+
+def test_itl_includes_idle_time_inside_a_request_but_not_across_requests():
+    trace = lk.Trace.from_lengths([2, 2], arrivals=[0, 10])
+    log = lk.simulate(trace, lk.Continuous(num_slots=1), step_time=1.0)
+    assert metrics.itl(log).tolist() == [1.0, 1.0]
+
+
+def test_tpot_is_decode_time_per_token():
+    log = lk.simulate(lk.Trace.from_lengths([1, 3, 5]), lk.Static(num_slots=3), step_time=0.5)
+    assert metrics.tpot(log).tolist() == [0.5, 0.5]  # the 1-token request has no decode gap
+
+
+def test_summary_and_table(toy_continuous):
+    row = metrics.summary(toy_continuous)
+    assert (row["steps"], row["tokens"], row["wasted slot-steps"]) == (17, 32, 2)
+    assert row["utilization (%)"] == pytest.approx(100 * 32 / 34)
+    assert row["mean wait (s)"] == pytest.approx(np.mean([0, 0, 2, 5, 6, 8, 12, 13]))
+    text = metrics.table({"continuous": toy_continuous})
+    assert text.splitlines()[1].split() == ["steps", "17"]
+    assert "94.118" in text
