@@ -108,14 +108,15 @@ def _run(state: SchedulerState, running: list[Request], count: int, log: StepLog
     row = np.full(state.num_slots, -1, np.int64)
     row[[r.slot for r in running]] = [r.id for r in running]
     log.append(row, count, len(state.waiting), decision.blocked, state.now, step_time)
-    num_finished = 0
+    starting, finishing = [], []
     for request in running:
-        if request.num_generated == 0:
-            log.first_token_step[request.index] = state.num_steps
+        if not request.num_generated:
+            starting.append(request.index)
         request.num_generated += count
         if request.num_generated == request.output_len:
-            log.finish_step[request.index] = state.num_steps + count - 1
-            num_finished += 1
+            finishing.append(request.index)
+    log.first_token_step[starting] = state.num_steps
+    log.finish_step[finishing] = state.num_steps + count - 1
     state.num_steps += count
     state.now += count * step_time
-    return num_finished
+    return len(finishing)
