@@ -1,12 +1,15 @@
 """labkit.sched: every scheduling decision and every counter. Imports numpy and labkit.traffic only."""
 
 from labkit.sched import metrics
+from labkit.sched.blocks import BlockPool
+from labkit.sched.driver import drive
 from labkit.sched.policy import Continuous, Decision, Dynamic, Static
 from labkit.sched.simulator import DEFAULT_STEP_TIME, simulate
 from labkit.sched.state import Request, SchedulerState
 from labkit.sched.steplog import StepLog
 
 __all__ = [
+    "BlockPool",
     "Continuous",
     "DEFAULT_STEP_TIME",
     "Decision",
@@ -15,6 +18,7 @@ __all__ = [
     "SchedulerState",
     "Static",
     "StepLog",
+    "drive",
     "metrics",
     "simulate",
 ]

@@ -14,7 +14,7 @@ simulator run a decision for many steps at once.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -70,9 +70,15 @@ class Continuous:
 class Static:
     """Request-level batching: when the engine is idle, take up to `num_slots`
     waiting requests as one batch and run it until its longest request ends.
-    A finished request keeps its slot until then."""
+    A finished request keeps its slot until then.
+
+    drop_finished: whether an engine skips a finished request's row. By default it
+    still computes it, padded, as Hugging Face's `generate` does; slot occupancy (and so
+    the simulator) is the same either way, only the engine's wall clock differs.
+    """
 
     num_slots: int
+    drop_finished: bool = field(default=False, kw_only=True)
 
     def __post_init__(self):
         _check_num_slots(self.num_slots)
@@ -100,7 +106,7 @@ class Dynamic(Static):
     """Static batching that waits to fill the batch: a batch starts when it is full,
     or `timeout` seconds after the arrival of its first waiting request."""
 
-    timeout: float = 0.0
+    timeout: float = field(default=0.0, kw_only=True)
 
     def __post_init__(self):
         super().__post_init__()

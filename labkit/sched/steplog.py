@@ -11,7 +11,11 @@ Invariants:
 - step s starts at `step_start[s]` and lasts `step_seconds[s]`; steps never overlap;
 - a request that holds a slot at a step emits one token at the end of that step;
 - per-request arrays are indexed by position in `trace`; -1 (steps) or NaN (times)
-  means "not yet".
+  means "not yet";
+- `prefill_tokens[s, k]` is how many prompt tokens slot k processed at step s (0 for a
+  decode step or an idle slot);
+- an engine also fills `outputs` (request id -> generated token ids) and `phase_seconds`
+  (where each measured step's time went); a simulation leaves them empty.
 """
 
 from __future__ import annotations
@@ -35,6 +39,9 @@ class StepLog:
         self.num_steps = 0
         self.num_tokens = 0
         self._segments: list[tuple[np.ndarray, int, int, str, float, float]] = []
+        self._prefills: list[tuple[int, list[int], list[int]]] = []
+        self._phases: dict[str, list[float]] = {}
+        self.outputs: dict[int, list[int]] = {}
         self.admit_step = np.full(len(trace), -1, np.int64)
         self.first_token_step = np.full(len(trace), -1, np.int64)
         self.finish_step = np.full(len(trace), -1, np.int64)
@@ -52,10 +59,33 @@ class StepLog:
         self._segments.append((row, count, num_queued, blocked, start, seconds))
         self.num_steps += count
         self.num_tokens += count * int(np.count_nonzero(row >= 0))
-        for name in _STEP_ARRAYS:
+        for name in (*_STEP_ARRAYS, "prefill_tokens"):
             self.__dict__.pop(name, None)
 
+    def mark_prefills(self, step: int, slots: list[int], num_tokens: list[int]) -> None:
+        """Record that each of `slots` processed its `num_tokens` prompt tokens at `step`."""
+        self._prefills.append((step, slots, num_tokens))
+        self.__dict__.pop("prefill_tokens", None)
+
+    def record_phases(self, **seconds: float) -> None:
+        """Record where one measured step's time went, e.g. schedule=..., forward=...."""
+        for phase, value in seconds.items():
+            self._phases.setdefault(phase, []).append(value)
+
     # Per step
+
+    @cached_property
+    def prefill_tokens(self) -> np.ndarray:
+        """int [num_steps, num_slots]: prompt tokens processed per slot and step."""
+        tokens = np.zeros((self.num_steps, self.num_slots), np.int64)
+        for step, slots, num_tokens in self._prefills:
+            tokens[step, slots] = num_tokens
+        return tokens
+
+    @property
+    def phase_seconds(self) -> dict[str, np.ndarray]:
+        """Measured seconds per step and phase (engine runs only)."""
+        return {phase: np.array(values) for phase, values in self._phases.items()}
 
     @cached_property
     def slots(self) -> np.ndarray:

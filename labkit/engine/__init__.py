@@ -1,0 +1,18 @@
+"""labkit.engine: the "run" back end. A tiny Llama-style transformer with a paged KV cache,
+driven by the same policies as the simulator. Imports torch and labkit.sched."""
+
+from labkit.engine.device import available_devices, resolve_device
+from labkit.engine.kv import PagedKVCache
+from labkit.engine.model import ModelConfig, StepBatch, TinyGPT
+from labkit.engine.runner import BOS_TOKEN, Engine
+
+__all__ = [
+    "BOS_TOKEN",
+    "Engine",
+    "ModelConfig",
+    "PagedKVCache",
+    "StepBatch",
+    "TinyGPT",
+    "available_devices",
+    "resolve_device",
+]

@@ -1,0 +1,53 @@
+"""Paged KV cache: the tensors only.
+
+The cache is one pool of fixed-size blocks per layer, allocated once. A request's
+context lives in the blocks its block table lists, in order: position p sits in block
+`block_table[p // block_size]` at offset `p % block_size`. The flat index of that place,
+`block_id * block_size + offset`, is its slot.
+
+Invariants:
+
+- `k` and `v` are allocated in the constructor and never reallocated, only written;
+- this module decides nothing: which blocks are free and who owns them is labkit.sched's job.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from labkit.engine.model import ModelConfig
+
+
+def slot_ids(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Flat cache slot of each position of one request: block_id * block_size + offset."""
+    return block_table[positions // block_size] * block_size + positions % block_size
+
+
+class PagedKVCache:
+    """Keys and values of every layer, as (n_layers, num_blocks, block_size, n_heads, head_dim)."""
+
+    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, device, dtype=torch.float32):
+        for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} = {value!r}: must be a whole number >= 1")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        shape = (config.n_layers, num_blocks, block_size, config.n_heads, config.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def num_bytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's keys and values as flat views, (num_slots, n_heads, head_dim) each."""
+        _, _, _, nh, hs = self.k.shape
+        return self.k[i].view(self.num_slots, nh, hs), self.v[i].view(self.num_slots, nh, hs)

@@ -1,0 +1,140 @@
+"""The engine: same policies, same StepLog, real tokens. fp32 on the CPU, tiny configs."""
+
+import numpy as np
+import pytest
+
+import labkit as lk
+from labkit.engine import Engine, ModelConfig
+
+TINY = ModelConfig(vocab_size=97, d_model=32, n_layers=2, n_heads=2, d_ff=64, max_seq_len=128)
+MIXED = lk.Trace.from_lengths([5, 1, 9, 3, 7, 2], prompt_lengths=[3, 0, 12, 1, 20, 6])
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine(TINY, device="cpu", seed=0, block_size=4)
+
+
+@pytest.fixture(scope="module")
+def solo(engine):
+    """Each request of MIXED run alone: the reference every batched run must reproduce."""
+    return {int(rid): engine.run(MIXED.select([i]), lk.Continuous(num_slots=1), progress=False).outputs[int(rid)]
+            for i, rid in enumerate(MIXED.ids)}
+
+
+POLICIES = [
+    lk.Static(num_slots=1),
+    lk.Static(num_slots=2),
+    lk.Static(num_slots=4, drop_finished=True),
+    lk.Continuous(num_slots=2),
+    lk.Continuous(num_slots=3),
+    lk.Continuous(num_slots=6),
+]
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=repr)
+def test_batched_outputs_equal_solo_outputs(engine, solo, policy):
+    log = engine.run(MIXED, policy, progress=False)
+    assert log.outputs == solo
+
+
+def test_outputs_have_exactly_the_requested_lengths(solo):
+    assert [len(solo[int(rid)]) for rid in MIXED.ids] == MIXED.output_lengths.tolist()
+
+
+def test_solo_comparison_can_fail(solo):
+    """Negative control: another seed's weights and prompts give other tokens."""
+    other = Engine(TINY, device="cpu", seed=1, block_size=4)
+    log = other.run(MIXED, lk.Continuous(num_slots=3), progress=False)
+    assert log.outputs != solo
+
+
+def test_a_wrong_block_table_breaks_the_equality(engine, solo, monkeypatch):
+    """Negative control: reading a request's K/V through a corrupted block table changes its tokens."""
+    from labkit.engine import runner
+
+    build = runner.StepBatch.build
+
+    def reversed_tables(new_tokens, starts, tables, block_size):
+        return build(new_tokens, starts, [t.flip(0) for t in tables], block_size)
+
+    monkeypatch.setattr(runner.StepBatch, "build", reversed_tables)
+    log = engine.run(MIXED, lk.Continuous(num_slots=3), progress=False)
+    assert log.outputs != solo
+
+
+@pytest.mark.parametrize(
+    "policy", [lk.Static(num_slots=2), lk.Continuous(num_slots=2), lk.Dynamic(num_slots=3, timeout=1.0)], ids=repr
+)
+def test_engine_slots_equal_the_simulator_slots(engine, policy):
+    trace = lk.Trace.toy()
+    run = engine.run(trace, policy, progress=False)
+    predicted = lk.simulate(trace, policy)
+    assert run.slots.tolist() == predicted.slots.tolist()
+    assert run.prefill_tokens.tolist() == predicted.prefill_tokens.tolist()
+    assert run.num_queued.tolist() == predicted.num_queued.tolist()
+
+
+def test_engine_twin_on_a_sampled_backlog(engine):
+    trace = lk.Trace.sample(12, output="exponential", mean_output=6, mean_prompt=5, seed=4)
+    for policy in (lk.Static(num_slots=3), lk.Continuous(num_slots=3)):
+        assert engine.run(trace, policy, progress=False).slots.tolist() == lk.simulate(trace, policy).slots.tolist()
+
+
+def test_prefill_marks_the_prompt_tokens(engine):
+    log = engine.run(MIXED, lk.Continuous(num_slots=6), progress=False)
+    assert log.prefill_tokens[0].tolist() == (1 + MIXED.prompt_lengths).tolist()  # BOS + prompt
+    assert log.prefill_tokens[1:].sum() == 0
+
+
+def test_measured_steps_are_split_into_phases(engine):
+    log = engine.run(lk.Trace.toy(), lk.Continuous(num_slots=2), progress=False)
+    phases = log.phase_seconds
+    assert set(phases) == {"schedule", "prepare", "forward", "sample"}
+    assert all(len(values) == log.num_steps for values in phases.values())
+    assert np.allclose(sum(phases.values()), log.step_seconds)
+    assert np.all(np.diff(log.step_start) > 0)
+
+
+def test_on_step_sees_the_log_grow(engine):
+    seen = []
+    engine.run(lk.Trace.toy(), lk.Static(num_slots=2), on_step=lambda log: seen.append(log.num_steps), progress=False)
+    assert seen == list(range(1, 24))
+
+
+def test_drop_finished_computes_fewer_rows_with_the_same_schedule(engine, monkeypatch):
+    rows = []
+    forward = engine.model.forward
+    monkeypatch.setattr(engine.model, "forward", lambda batch, cache: rows.append(batch.num_requests) or forward(batch, cache))
+    padded = engine.run(lk.Trace.toy(), lk.Static(num_slots=2), progress=False)
+    padded_rows, rows[:] = sum(rows), []
+    dropped = engine.run(lk.Trace.toy(), lk.Static(num_slots=2, drop_finished=True), progress=False)
+    assert padded.slots.tolist() == dropped.slots.tolist() and padded.outputs == dropped.outputs
+    assert (padded_rows, sum(rows)) == (46, 32)  # every slot-step computed vs only the useful ones
+
+
+def test_arrivals_are_served_on_the_measured_clock(engine):
+    trace = lk.Trace.from_lengths([3, 3], prompt_lengths=[2, 2], arrivals=[0.0, 1000.0])
+    log = engine.run(trace, lk.Continuous(num_slots=1), progress=False)
+    assert log.admit_step.tolist() == [0, 3]
+    assert log.step_start[3] == 1000.0  # the clock jumps over idle time instead of sleeping
+    assert log.ttft[1] == pytest.approx(log.step_seconds[3])
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: Engine(TINY, device="gpu"), "device = 'gpu': must be one of auto, cpu, cuda, mps"),
+        (
+            lambda: Engine(TINY, device="cpu").run(lk.Trace.from_lengths([100], prompt_lengths=[40]), lk.Static(1)),
+            "request 0: prompt 40 \\+ output 100 tokens exceed max_seq_len 128",
+        ),
+        (
+            lambda: Engine(TINY, device="cpu", block_size=4).run(MIXED, lk.Continuous(2), num_blocks=7),
+            "num_blocks = 7: the KV pool must hold 2 slots x 7 blocks",
+        ),
+    ],
+)
+def test_bad_input_fails_before_any_work(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()

@@ -1,0 +1,94 @@
+"""TinyGPT against Hugging Face's LlamaForCausalLM with the same weights: logits and greedy tokens."""
+
+import pytest
+import torch
+
+from labkit.engine.kv import PagedKVCache
+from labkit.engine.model import ModelConfig, StepBatch, TinyGPT
+
+transformers = pytest.importorskip("transformers")
+
+CONFIG = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, d_ff=64, max_seq_len=64)
+BLOCK_SIZE = 4
+PROMPT_LENS = [1, 5, 12, 17]
+NUM_OUT = 8
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(CONFIG.to_hf_llama_config()).float().eval()
+
+
+@pytest.fixture(scope="module")
+def model(hf_model):
+    return TinyGPT.from_hf_llama(hf_model).eval()
+
+
+def prompt(length, seed):
+    return torch.randint(0, CONFIG.vocab_size, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def greedy_paged(model, prompts, num_out):
+    """All prompts in one prefill step, then one decode step per token, every request in every step."""
+    num_blocks_each = -(-(max(map(len, prompts)) + num_out) // BLOCK_SIZE)
+    cache = PagedKVCache(CONFIG, num_blocks_each * len(prompts), BLOCK_SIZE, "cpu")
+    block_ids = torch.randperm(cache.num_blocks, generator=torch.Generator().manual_seed(0))
+    tables = block_ids.view(len(prompts), num_blocks_each)  # (num_requests, num_blocks_each), scattered
+    seqs, new = [list(p) for p in prompts], [list(p) for p in prompts]
+    for _ in range(num_out):
+        starts = [len(s) - len(n) for s, n in zip(seqs, new)]
+        logits = model(StepBatch.build(new, starts, list(tables), BLOCK_SIZE), cache)
+        new = [[t] for t in logits.argmax(-1).tolist()]
+        for s, n in zip(seqs, new):
+            s += n
+    return [s[len(p) :] for s, p in zip(seqs, prompts)]
+
+
+def test_config_round_trip():
+    assert ModelConfig.from_hf_llama_config(CONFIG.to_hf_llama_config()) == CONFIG
+    assert ModelConfig.from_hf_llama_config(ModelConfig().to_hf_llama_config()) == ModelConfig()
+
+
+def test_copied_weights_are_hf_weights(model, hf_model):
+    hf_weights = hf_model.state_dict()
+    assert model.num_parameters() == hf_model.num_parameters()
+    for name, p in model.state_dict().items():
+        assert torch.equal(p, hf_weights[name]), name
+
+
+@pytest.mark.parametrize("length", PROMPT_LENS)
+def test_last_logits_match_hf(model, hf_model, length):
+    ids = prompt(length, seed=length)
+    with torch.no_grad():
+        expected = hf_model(torch.tensor([ids])).logits[0, -1]  # (vocab,)
+    cache = PagedKVCache(CONFIG, 8, BLOCK_SIZE, "cpu")
+    got = model(StepBatch.build([ids], [0], [torch.tensor([6, 1, 4, 7, 0])], BLOCK_SIZE), cache)[0]
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_greedy_tokens_match_hf_generate(model, hf_model):
+    prompts = [prompt(length, seed=length) for length in PROMPT_LENS]
+    expected = []
+    for ids in prompts:
+        out = hf_model.generate(
+            torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            do_sample=False, max_new_tokens=NUM_OUT, min_new_tokens=NUM_OUT, eos_token_id=None, pad_token_id=0,
+        )
+        expected.append(out[0, len(ids) :].tolist())
+    assert all(len(tokens) == NUM_OUT for tokens in expected)
+    assert greedy_paged(model, prompts, NUM_OUT) == expected
+
+
+def test_load_rejects_other_sizes(hf_model):
+    with pytest.raises(ValueError, match="hf_model has config"):
+        TinyGPT(ModelConfig(vocab_size=64, d_model=32, n_layers=3, n_heads=2, d_ff=64, max_seq_len=64)).load_hf_llama(
+            hf_model
+        )
+
+
+def test_rejects_grouped_query_attention():
+    hf_config = CONFIG.to_hf_llama_config()
+    hf_config.num_key_value_heads = 1
+    with pytest.raises(ValueError, match="num_key_value_heads = 1: TinyGPT needs 2"):
+        ModelConfig.from_hf_llama_config(hf_config)
