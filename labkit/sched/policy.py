@@ -14,7 +14,7 @@ simulator run a decision for many steps at once.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -44,12 +44,18 @@ def _ids(requests) -> tuple[int, ...]:
     return tuple(r.id for r in requests)
 
 
+def _short_repr(policy) -> str:
+    """Policy(num_slots=2, timeout=0.5): the fields that differ from their defaults."""
+    shown = [f"{f.name}={getattr(policy, f.name)!r}" for f in fields(policy) if getattr(policy, f.name) != f.default]
+    return f"{type(policy).__name__}({', '.join(shown)})"
+
+
 def _check_num_slots(num_slots) -> None:
     if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
         raise ValueError(f"num_slots = {num_slots!r}: must be a whole number >= 1")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class Continuous:
     """Iteration-level scheduling: before every step, finished requests leave and
     waiting ones join the free slots, first come first served."""
@@ -59,6 +65,8 @@ class Continuous:
     def __post_init__(self):
         _check_num_slots(self.num_slots)
 
+    __repr__ = _short_repr
+
     def schedule(self, state: SchedulerState) -> Decision:
         release = state.finished_in_slots()
         admit = state.waiting_head(state.num_free_slots() + len(release))
@@ -66,7 +74,7 @@ class Continuous:
         return Decision(release=_ids(release), admit=_ids(admit), blocked=blocked)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class Static:
     """Request-level batching: when the engine is idle, take up to `num_slots`
     waiting requests as one batch and run it until its longest request ends.
@@ -82,6 +90,8 @@ class Static:
 
     def __post_init__(self):
         _check_num_slots(self.num_slots)
+
+    __repr__ = _short_repr
 
     def schedule(self, state: SchedulerState) -> Decision:
         if state.running():
@@ -101,7 +111,7 @@ class Static:
         return state.now
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class Dynamic(Static):
     """Static batching that waits to fill the batch: a batch starts when it is full,
     or `timeout` seconds after the arrival of its first waiting request."""
