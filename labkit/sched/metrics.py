@@ -36,8 +36,14 @@ def tpot(log: StepLog) -> np.ndarray:
     return (log.latency - log.ttft)[several] / (log.trace.output_lengths[several] - 1)
 
 
+def percentile(values: np.ndarray, q: float) -> float:
+    """The q-th percentile, or NaN when there is nothing to measure (e.g. no ITL gaps)."""
+    return float(np.percentile(values, q)) if len(values) else float("nan")
+
+
 def summary(log: StepLog) -> dict[str, float]:
     """The headline numbers of one run."""
+    gaps, per_token = itl(log), tpot(log)
     return {
         "steps": log.num_steps,
         "tokens": log.num_tokens,
@@ -46,9 +52,14 @@ def summary(log: StepLog) -> dict[str, float]:
         "tokens/step": log.tokens_per_step,
         "tokens/s": log.tokens_per_second,
         "mean wait (s)": float(np.mean(log.waiting_time)),
-        "p99 wait (s)": float(np.percentile(log.waiting_time, 99)),
-        "mean TTFT (s)": float(np.mean(log.ttft)),
-        "mean latency (s)": float(np.mean(log.latency)),
+        "p99 wait (s)": percentile(log.waiting_time, 99),
+        "TTFT p50 (s)": percentile(log.ttft, 50),
+        "TTFT p99 (s)": percentile(log.ttft, 99),
+        "ITL p50 (ms)": 1000 * percentile(gaps, 50),
+        "ITL p99 (ms)": 1000 * percentile(gaps, 99),
+        "TPOT mean (ms)": 1000 * float(np.mean(per_token)) if len(per_token) else float("nan"),
+        "latency p50 (s)": percentile(log.latency, 50),
+        "latency p99 (s)": percentile(log.latency, 99),
     }
 
 

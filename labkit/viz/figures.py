@@ -212,3 +212,37 @@ def length_histogram(trace: Trace, num_bins: int = 100) -> go.Figure:
     fig.update_xaxes(title="output tokens")
     fig.update_yaxes(title="requests", gridcolor="#e5e5e5")
     return fig
+
+
+def redraw(fig: go.Figure, log: StepLog) -> None:
+    """Replace the bars of `fig`, a slot diagram, with `log`'s so far, in one update message."""
+    bars = _run_bars(log)
+    with fig.batch_update():
+        fig.data[0].update(base=bars.base, x=bars.x, y=bars.y, text=bars.text, hovertext=bars.hovertext)
+        fig.data[0].marker.color = bars.marker.color
+        fig.layout.xaxis.range = [0, max(log.num_steps, 1)]
+
+
+def step_time_curve(seconds_by_batch: dict[int, float]) -> go.Figure:
+    """Measured decode-step time against batch size, with the time per token beside it."""
+    sizes = np.array(list(seconds_by_batch))
+    milliseconds = 1000 * np.array(list(seconds_by_batch.values()))
+    fig = go.Figure()
+    fig.add_trace(go.Scatter(x=sizes, y=milliseconds, mode="lines+markers", name="ms per step"))
+    fig.add_trace(go.Scatter(x=sizes, y=milliseconds / sizes, mode="lines+markers", name="ms per token"))
+    fig.update_layout(title="Decode step time against batch size", height=380, plot_bgcolor="white")
+    fig.update_xaxes(title="batch size (requests per step)", type="log", tickvals=sizes, gridcolor="#e5e5e5")
+    fig.update_yaxes(title="milliseconds", rangemode="tozero", gridcolor="#e5e5e5")
+    return fig
+
+
+def phase_split(logs: dict[str, StepLog]) -> go.Figure:
+    """Where each engine run's time went: schedule, prepare, forward and sample, stacked."""
+    names = list(logs)
+    fig = go.Figure()
+    for phase in ("schedule", "prepare", "forward", "sample"):
+        seconds = [float(logs[name].phase_seconds[phase].sum()) for name in names]
+        fig.add_trace(go.Bar(x=names, y=seconds, name=phase))
+    fig.update_layout(title="Engine time by phase", barmode="stack", height=350, plot_bgcolor="white")
+    fig.update_yaxes(title="seconds", gridcolor="#e5e5e5")
+    return fig

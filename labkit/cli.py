@@ -1,0 +1,224 @@
+"""The `labkit` command. `labkit demo` (or `python -m labkit demo`) runs the headline
+experiment: one trace served by TinyGPT under static and under continuous batching,
+with measured throughput and latency printed beside the simulator's prediction.
+
+Invariants:
+
+- both policies serve the same trace on the same engine, after a short warm-up run,
+  so neither pays one-time start-up costs;
+- the predicted gain comes from the simulator alone (slot-steps, static / continuous),
+  the measured gain from the engine's clock alone (tokens/s, continuous / static);
+- a bad option value ends in one `labkit demo: error: ...` line on stderr and exit
+  code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import sys
+
+import numpy as np
+
+import labkit as lk
+from labkit.engine import Engine
+from labkit.sched import metrics
+
+BUILTIN_TRACES = ("toy", "exponential", "azure-conv")
+MEAN_OUTPUT = 32
+MEAN_PROMPT = 16
+WARM_UP = lk.Trace.from_lengths([2])
+COLUMNS = (
+    "policy", "steps", "util (%)", "tokens/s", "TTFT p50 (ms)", "TTFT p99 (ms)",
+    "ITL p50 (ms)", "ITL p99 (ms)", "predicted gain", "measured gain",
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser, demo_parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return 2
+    return demo(args, demo_parser)
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    """The `labkit` parser and its `demo` subcommand's parser (which reports option errors)."""
+    parser = argparse.ArgumentParser(prog="labkit", description="labkit: predict, run and see continuous batching.")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    demo_parser = commands.add_parser(
+        "demo",
+        help="serve one trace with static and continuous batching on TinyGPT and compare",
+        description="Serve one trace on TinyGPT twice, with lk.Static(SLOTS) and lk.Continuous(SLOTS), and "
+        "print steps, slot utilization, measured tokens/s, TTFT and ITL percentiles, and the gain the "
+        "simulator predicts beside the gain the engine measures.",
+    )
+    demo_parser.add_argument("--slots", type=_whole_number(1), default=8, help="batch slots per policy (default 8)")
+    demo_parser.add_argument(
+        "--requests", type=_whole_number(1), default=32,
+        help="requests to serve (default 32); the toy trace always has its 8",
+    )
+    demo_parser.add_argument(
+        "--trace", default="exponential", metavar="{toy,exponential,azure-conv,PATH.csv}",
+        help="toy: requests A-H of lesson 1; exponential (default): sampled with exponential outputs "
+        f"(mean {MEAN_OUTPUT}) and uniform prompts (mean {MEAN_PROMPT}); azure-conv: the shipped Azure "
+        "conversation trace; PATH.csv[.gz]: TIMESTAMP,ContextTokens,GeneratedTokens rows. For azure-conv "
+        "and CSV files the first REQUESTS requests that fit the model's max_seq_len are served, at their "
+        "own arrival times",
+    )
+    demo_parser.add_argument(
+        "--rate", type=_positive_number, default=None,
+        help="Poisson arrivals at this many requests/s, for --trace exponential only "
+        "(default: every request waits at t=0)",
+    )
+    demo_parser.add_argument(
+        "--device", default="auto", metavar="{auto,cpu,cuda,mps}",
+        help="where the model runs (default auto: cuda, then mps, then cpu)",
+    )
+    demo_parser.add_argument(
+        "--seed", type=_whole_number(0), default=0, help="seed for the sampled trace and the model (default 0)"
+    )
+    demo_parser.add_argument("--no-progress", action="store_true", help="hide the engine's progress bars")
+    return parser, demo_parser
+
+
+def demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """Run the experiment that `args` describe and print its report."""
+    engine, trace, description = prepare(args, parser)
+    print_header(engine, trace, description)
+    logs = serve(engine, trace, args.slots, progress=not args.no_progress)
+    print(format_table(COLUMNS, report_rows(logs, predicted_gain(trace, args.slots))))
+    print()
+    print("predicted gain: the simulator's steps, static / continuous; measured gain: tokens/s, continuous / static")
+    return 0
+
+
+def prepare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[Engine, lk.Trace, str]:
+    """The engine and the trace `args` ask for; a bad value ends in `parser.error`."""
+    if args.rate is not None and args.trace != "exponential":
+        parser.error("argument --rate: only --trace exponential samples arrivals; "
+                     "toy, azure-conv and CSV traces keep their own")
+    try:
+        engine = Engine(device=args.device, seed=args.seed)
+    except ValueError as error:
+        parser.error(f"argument --device: {error}")
+    try:
+        trace, description = load_trace(args, engine.config.max_seq_len)
+    except (OSError, ValueError, csv.Error) as error:
+        parser.error(f"argument --trace: {_trace_error(args.trace, error)}")
+    return engine, trace, description
+
+
+def print_header(engine: Engine, trace: lk.Trace, description: str) -> None:
+    config = engine.config
+    print(f"device: {engine.device}")
+    print(f"model:  TinyGPT, {engine.model.num_parameters() / 1e6:.2f}M parameters "
+          f"({config.n_layers} layers, d_model {config.d_model}, vocab {config.vocab_size})")
+    print(f"trace:  {description}")
+    print(f"        {trace!r}, mean prompt {trace.prompt_lengths.mean():.1f} tokens")
+    print(flush=True)  # before the progress bars on stderr
+
+
+def load_trace(args: argparse.Namespace, max_seq_len: int) -> tuple[lk.Trace, str]:
+    """The trace `--trace` names, and one line saying where it came from."""
+    if args.trace == "toy":
+        return lk.Trace.toy(), "toy: requests A-H, all waiting at t=0, no prompt"
+    if args.trace == "exponential":
+        trace = lk.Trace.sample(
+            args.requests, output="exponential", mean_output=MEAN_OUTPUT,
+            prompt="uniform", mean_prompt=MEAN_PROMPT, rate=args.rate, seed=args.seed,
+        )
+        arrivals = "all waiting at t=0" if args.rate is None else f"Poisson arrivals at {args.rate:g} requests/s"
+        return trace, (
+            f"exponential outputs (mean {MEAN_OUTPUT}), uniform prompts (mean {MEAN_PROMPT}), "
+            f"{arrivals}, seed {args.seed}"
+        )
+    source = lk.Trace.azure_conv() if args.trace == "azure-conv" else lk.Trace.from_csv(args.trace)
+    trace, num_skipped = first_that_fit(source, args.requests, max_seq_len)
+    return trace, (
+        f"{args.trace}: the first {len(trace)} requests with prompt + output <= max_seq_len {max_seq_len} "
+        f"({num_skipped} longer ones skipped), at their own arrival times"
+    )
+
+
+def first_that_fit(trace: lk.Trace, num_requests: int, max_seq_len: int) -> tuple[lk.Trace, int]:
+    """The first `num_requests` requests of `trace` that the model can hold, and how many were skipped."""
+    fits = np.flatnonzero(trace.prompt_lengths + trace.output_lengths <= max_seq_len)[:num_requests]
+    if fits.size == 0:
+        raise ValueError(f"no request has prompt + output <= max_seq_len {max_seq_len}")
+    return trace.select(fits), int(fits[-1]) + 1 - fits.size
+
+
+def serve(engine: Engine, trace: lk.Trace, num_slots: int, progress: bool) -> dict[str, lk.StepLog]:
+    """Engine runs of `trace` under static and continuous batching, after a warm-up run."""
+    engine.run(WARM_UP, lk.Continuous(1), progress=False)
+    return {
+        "static": engine.run(trace, lk.Static(num_slots), progress=progress),
+        "continuous": engine.run(trace, lk.Continuous(num_slots), progress=progress),
+    }
+
+
+def predicted_gain(trace: lk.Trace, num_slots: int) -> float:
+    """The simulator's slot-step ratio: steps under static over steps under continuous batching."""
+    return lk.simulate(trace, lk.Static(num_slots)).num_steps / lk.simulate(trace, lk.Continuous(num_slots)).num_steps
+
+
+def report_rows(logs: dict[str, lk.StepLog], predicted: float) -> list[list[str]]:
+    """One row of cells per run; static batching is the baseline (1.00x) of both gains."""
+    baseline = logs["static"].tokens_per_second
+    rows = []
+    for name, log in logs.items():
+        ttft = 1000 * np.percentile(log.ttft, [50, 99])
+        itl = 1000 * np.percentile(metrics.itl(log), [50, 99])
+        gains = (1.0, 1.0) if name == "static" else (predicted, log.tokens_per_second / baseline)
+        rows.append([
+            name, f"{log.num_steps:,}", f"{100 * log.utilization:.1f}", f"{log.tokens_per_second:,.0f}",
+            *(f"{ms:,.1f}" for ms in (*ttft, *itl)), *(f"{gain:.2f}x" for gain in gains),
+        ])
+    return rows
+
+
+def format_table(header: tuple[str, ...], rows: list[list[str]]) -> str:
+    """Plain-text columns: the first left-aligned, the rest right-aligned."""
+    cells = [list(header), *rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    return "\n".join(
+        "  ".join(cell.rjust(width) if i else cell.ljust(width) for i, (cell, width) in enumerate(zip(row, widths)))
+        for row in cells
+    )
+
+
+def _whole_number(minimum: int):
+    """An argparse type: a whole number >= `minimum`, with an error message that says so."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < minimum:
+            raise argparse.ArgumentTypeError(f"{text!r}: must be a whole number >= {minimum}")
+        return value
+
+    return parse
+
+
+def _positive_number(text: str) -> float:
+    """An argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a number > 0")
+    return value
+
+
+def _trace_error(trace: str, error: Exception) -> str:
+    """One line naming the trace file and what is wrong with it."""
+    if isinstance(error, FileNotFoundError):
+        return f"{trace}: no such file (choose {', '.join(BUILTIN_TRACES)} or a path to a CSV file)"
+    reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
+    return reason if reason.startswith(trace) else f"{trace}: {reason}"

@@ -1,0 +1,126 @@
+"""The `labkit demo` command: its report on tiny runs, and one clean line for every bad option."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from labkit.cli import main
+
+TOY = ["demo", "--trace", "toy", "--slots", "2", "--no-progress", "--device", "cpu"]
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """Tiny steps run fastest on one thread, and far slower when two threads fight other processes."""
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(num_threads)
+
+
+def table_rows(stdout: str) -> dict[str, list[str]]:
+    """Cells of the report's table rows, keyed by policy name."""
+    rows = [line.split() for line in stdout.splitlines()]
+    return {cells[0]: cells[1:] for cells in rows if cells and cells[0] in ("static", "continuous")}
+
+
+def write_csv(path, rows: list[str]):
+    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "".join(row + "\n" for row in rows))
+    return str(path)
+
+
+def test_toy_demo_reports_both_policies(capsys):
+    assert main(TOY) == 0
+    out = capsys.readouterr().out
+    assert "device: cpu" in out and "3.67M parameters" in out and "toy: requests A-H" in out
+    rows = table_rows(out)
+    assert list(rows) == ["static", "continuous"]
+    assert rows["static"][:2] == ["23", "69.6"]
+    assert rows["continuous"][:2] == ["17", "94.1"]
+    assert rows["static"][-2:] == ["1.00x", "1.00x"]
+    assert rows["continuous"][-2] == "1.35x"  # 23 / 17 slot-steps, from the simulator
+
+
+def test_sampled_trace_with_poisson_arrivals(capsys):
+    assert main(["demo", "--requests", "4", "--slots", "2", "--rate", "50", "--seed", "3", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "Poisson arrivals at 50 requests/s, seed 3" in out and "Trace(4 requests" in out
+    assert list(table_rows(out)) == ["static", "continuous"]
+
+
+def test_csv_trace_skips_requests_longer_than_the_model(tmp_path, capsys):
+    path = write_csv(tmp_path / "trace.csv", [
+        "2023-11-16 18:15:46.6805900,3000,5",  # longer than max_seq_len 2048
+        "2023-11-16 18:15:46.7000000,4,3",
+        "2023-11-16 18:15:47.0000000,2,2",
+        "2023-11-16 18:15:48.0000000,1,4",
+    ])
+    assert main(["demo", "--trace", path, "--requests", "2", "--no-progress", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "the first 2 requests with prompt + output <= max_seq_len 2048 (1 longer ones skipped)" in out
+    assert "Trace(2 requests, 5 output tokens" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--slots", "0"], "argument --slots: '0': must be a whole number >= 1"),
+    (["--slots", "two"], "argument --slots: 'two': must be a whole number >= 1"),
+    (["--requests", "-3"], "argument --requests: '-3': must be a whole number >= 1"),
+    (["--seed", "-1"], "argument --seed: '-1': must be a whole number >= 0"),
+    (["--rate", "-1"], "argument --rate: '-1': must be a number > 0"),
+    (["--rate", "nan"], "argument --rate: 'nan': must be a number > 0"),
+    (["--trace", "toy", "--rate", "5"], "argument --rate: only --trace exponential samples arrivals"),
+    (["--device", "gpu"], "argument --device: device = 'gpu': must be one of auto, cpu, cuda, mps"),
+    (["--trace", "nosuch.csv"], "argument --trace: nosuch.csv: no such file (choose toy, exponential, azure-conv"),
+])
+def test_bad_option_is_one_error_line(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", *argv])
+    assert exit_info.value.code == 2
+    assert_one_error_line(capsys.readouterr().err, message)
+
+
+@pytest.mark.parametrize("rows, message", [
+    (["2023-11-16 18:15:46,12,seven"], "bad row at line 2"),
+    (["2023-11-16 18:15:46,3000,5"], "no request has prompt + output <= max_seq_len 2048"),
+])
+def test_bad_csv_is_one_error_line(tmp_path, rows, message, capsys):
+    path = write_csv(tmp_path / "bad.csv", rows)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", "--trace", path, "--device", "cpu"])
+    assert exit_info.value.code == 2
+    assert_one_error_line(capsys.readouterr().err, message)
+
+
+def assert_one_error_line(err: str, message: str):
+    errors = [line for line in err.splitlines() if "error" in line]
+    assert len(errors) == 1 and errors[0] == err.splitlines()[-1], err
+    assert errors[0].startswith("labkit demo: error: ") and message in errors[0]
+    assert "Traceback" not in err
+
+
+def test_no_command_prints_help(capsys):
+    assert main([]) == 2
+    assert "demo" in capsys.readouterr().err
+
+
+def test_help_describes_every_option(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    for option in ("--slots", "--requests", "--trace", "--rate", "--device", "--seed", "--no-progress"):
+        assert option in out
+
+
+def test_python_dash_m_runs_the_toy_demo():
+    result = subprocess.run(
+        [sys.executable, "-m", "labkit", "demo", "--trace", "toy", "--slots", "2", "--no-progress"],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode == 0, result.stderr
+    rows = table_rows(result.stdout)
+    assert list(rows) == ["static", "continuous"]
+    assert (rows["static"][0], rows["continuous"][0]) == ("23", "17")
