@@ -25,6 +25,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_simulate.py
+	$(PY) benchmarks/bench_engine.py
 
 notebooks: $(STAMP)
 	$(PY) tools/run_notebooks.py

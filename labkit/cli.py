@@ -29,10 +29,10 @@ BUILTIN_TRACES = ("toy", "exponential", "azure-conv")
 MEAN_OUTPUT = 32
 MEAN_PROMPT = 16
 WARM_UP = lk.Trace.from_lengths([2])
-COLUMNS = (
+COLUMNS = [
     "policy", "steps", "util (%)", "tokens/s", "TTFT p50 (ms)", "TTFT p99 (ms)",
     "ITL p50 (ms)", "ITL p99 (ms)", "predicted gain", "measured gain",
-)
+]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,7 +89,7 @@ def demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     engine, trace, description = prepare(args, parser)
     print_header(engine, trace, description)
     logs = serve(engine, trace, args.slots, progress=not args.no_progress)
-    print(format_table(COLUMNS, report_rows(logs, predicted_gain(trace, args.slots))))
+    print(metrics.format_table(COLUMNS, report_rows(logs, predicted_gain(trace, args.slots))))
     print()
     print("predicted gain: the simulator's steps, static / continuous; measured gain: tokens/s, continuous / static")
     return 0
@@ -170,24 +170,15 @@ def report_rows(logs: dict[str, lk.StepLog], predicted: float) -> list[list[str]
     baseline = logs["static"].tokens_per_second
     rows = []
     for name, log in logs.items():
-        ttft = 1000 * np.percentile(log.ttft, [50, 99])
-        itl = 1000 * np.percentile(metrics.itl(log), [50, 99])
+        gaps = metrics.itl(log)
+        ttft = [1000 * metrics.percentile(log.ttft, q) for q in (50, 99)]
+        itl = [1000 * metrics.percentile(gaps, q) for q in (50, 99)]
         gains = (1.0, 1.0) if name == "static" else (predicted, log.tokens_per_second / baseline)
         rows.append([
             name, f"{log.num_steps:,}", f"{100 * log.utilization:.1f}", f"{log.tokens_per_second:,.0f}",
             *(f"{ms:,.1f}" for ms in (*ttft, *itl)), *(f"{gain:.2f}x" for gain in gains),
         ])
     return rows
-
-
-def format_table(header: tuple[str, ...], rows: list[list[str]]) -> str:
-    """Plain-text columns: the first left-aligned, the rest right-aligned."""
-    cells = [list(header), *rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
-    return "\n".join(
-        "  ".join(cell.rjust(width) if i else cell.ljust(width) for i, (cell, width) in enumerate(zip(row, widths)))
-        for row in cells
-    )
 
 
 def _whole_number(minimum: int):

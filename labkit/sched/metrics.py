@@ -67,8 +67,13 @@ def table(logs: dict[str, StepLog], digits: int = 3) -> str:
     """A plain-text table of `summary` for several runs, one column per run."""
     rows = {name: summary(log) for name, log in logs.items()}
     metrics = list(next(iter(rows.values())))
-    cells = [["", *rows]] + [[m, *(_format(rows[name][m], digits) for name in rows)] for m in metrics]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
+    return format_table(["", *rows], [[m, *(_format(rows[name][m], digits) for name in rows)] for m in metrics])
+
+
+def format_table(header: list[str], rows: list[list[str]]) -> str:
+    """Plain-text columns: the first left-aligned, the rest right-aligned."""
+    cells = [list(header), *rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
     lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in cells]
     return "\n".join(lines)
 
