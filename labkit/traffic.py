@@ -5,7 +5,9 @@ A `Trace` is an immutable table of requests. Invariants, checked on construction
 - it holds at least one request;
 - output lengths are whole numbers >= 1, prompt lengths whole numbers >= 0;
 - arrivals are finite, >= 0, in seconds from the first request;
-- every column has one entry per request, and request ids are unique.
+- every column has one entry per request, and request ids are unique;
+- if the trace carries prompt token ids, request i has exactly `prompt_lengths[i]` of
+  them, each a whole number >= 0 (whether they fit a vocabulary is the model's check).
 
 Request ids survive `select`, so a sub-trace still names the same requests.
 This module imports numpy and nothing heavier.
@@ -16,7 +18,7 @@ from __future__ import annotations
 import csv
 import gzip
 import io
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path
 
@@ -44,6 +46,22 @@ def _whole_numbers(name: str, values, minimum: int) -> np.ndarray:
     return array.astype(np.int64)
 
 
+def _prompt_tokens(prompts, prompt_lengths: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Each prompt's token ids as a read-only int64 array, checked against its length."""
+    if not len(prompts):
+        return ()
+    if len(prompts) != len(prompt_lengths):
+        raise ValueError(f"prompt_tokens has {len(prompts)} entries but prompt_lengths has {len(prompt_lengths)}")
+    arrays = []
+    for i, (tokens, length) in enumerate(zip(prompts, prompt_lengths)):
+        array = _whole_numbers(f"prompt_tokens[{i}]", np.asarray(tokens).reshape(-1), minimum=0)
+        if len(array) != length:
+            raise ValueError(f"prompt_tokens[{i}] has {len(array)} ids but prompt_lengths[{i}] = {length}")
+        array.setflags(write=False)
+        arrays.append(array)
+    return tuple(arrays)
+
+
 def _seconds(name: str, values) -> np.ndarray:
     array = np.asarray(values, dtype=np.float64)
     bad = ~np.isfinite(array) | (array < 0)
@@ -62,6 +80,7 @@ class Trace:
     arrivals: np.ndarray
     ids: np.ndarray
     labels: tuple[str, ...] = field(default=())
+    prompt_tokens: tuple[np.ndarray, ...] = field(default=())
 
     def __post_init__(self):
         outputs = _whole_numbers("output_lengths", self.output_lengths, minimum=1)
@@ -83,18 +102,28 @@ class Trace:
             column.setflags(write=False)
             object.__setattr__(self, name, column)
         object.__setattr__(self, "labels", tuple(self.labels) or tuple(str(i) for i in columns["ids"]))
+        object.__setattr__(self, "prompt_tokens", _prompt_tokens(self.prompt_tokens, columns["prompt_lengths"]))
 
     # Construction
 
     @classmethod
-    def from_lengths(cls, output_lengths, prompt_lengths=None, arrivals=None) -> Trace:
-        """Requests 0..n-1 with the given lengths; no prompt and all arriving at t=0 unless given."""
+    def from_lengths(cls, output_lengths, prompt_lengths=None, arrivals=None, prompt_tokens=None) -> Trace:
+        """Requests 0..n-1 with the given lengths; no prompt and all arriving at t=0 unless given.
+
+        prompt_tokens: optional token ids of each prompt (a list of lists); without
+        `prompt_lengths`, the lengths are taken from them.
+        """
         count = len(np.atleast_1d(output_lengths))
+        if prompt_tokens is not None and len(prompt_tokens) != count:
+            raise ValueError(f"prompt_tokens has {len(prompt_tokens)} entries but output_lengths has {count}")
+        if prompt_lengths is None:
+            prompt_lengths = np.zeros(count, np.int64) if prompt_tokens is None else [len(p) for p in prompt_tokens]
         return cls(
             output_lengths=np.atleast_1d(output_lengths),
-            prompt_lengths=np.zeros(count, np.int64) if prompt_lengths is None else prompt_lengths,
+            prompt_lengths=prompt_lengths,
             arrivals=np.zeros(count) if arrivals is None else arrivals,
             ids=np.arange(count),
+            prompt_tokens=() if prompt_tokens is None else tuple(prompt_tokens),
         )
 
     @classmethod
@@ -190,7 +219,7 @@ class Trace:
 
     def backlogged(self) -> Trace:
         """The same requests, all waiting at t=0."""
-        return Trace(self.output_lengths, self.prompt_lengths, np.zeros(len(self)), self.ids, self.labels)
+        return replace(self, arrivals=np.zeros(len(self)))
 
     def select(self, positions) -> Trace:
         """The requests at these positions, keeping their ids and labels."""
@@ -203,6 +232,7 @@ class Trace:
             self.arrivals[positions],
             self.ids[positions],
             tuple(self.labels[p] for p in positions),
+            tuple(self.prompt_tokens[p] for p in positions) if self.prompt_tokens else (),
         )
 
 

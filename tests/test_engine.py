@@ -81,6 +81,16 @@ def test_engine_twin_on_a_sampled_backlog(engine):
         assert engine.run(trace, policy, progress=False).slots.tolist() == lk.simulate(trace, policy).slots.tolist()
 
 
+def test_prompt_ids_come_from_the_trace_when_it_has_them(engine, solo):
+    """A trace that carries the very prompt ids the engine would draw gives the same tokens;
+    other ids give other tokens."""
+    drawn = [engine.prompt_ids(int(rid), int(n))[1:] for rid, n in zip(MIXED.ids, MIXED.prompt_lengths)]
+    same = lk.Trace.from_lengths(MIXED.output_lengths, prompt_tokens=drawn)
+    assert engine.run(same, lk.Continuous(num_slots=3), progress=False).outputs == solo
+    other = lk.Trace.from_lengths(MIXED.output_lengths, prompt_tokens=[[(t + 1) % 97 for t in p] for p in drawn])
+    assert engine.run(other, lk.Continuous(num_slots=3), progress=False).outputs != solo
+
+
 def test_prefill_marks_the_prompt_tokens(engine):
     log = engine.run(MIXED, lk.Continuous(num_slots=6), progress=False)
     assert log.prefill_tokens[0].tolist() == (1 + MIXED.prompt_lengths).tolist()  # BOS + prompt
@@ -128,6 +138,10 @@ def test_arrivals_are_served_on_the_measured_clock(engine):
         (
             lambda: Engine(TINY, device="cpu").run(lk.Trace.from_lengths([100], prompt_lengths=[40]), lk.Static(1)),
             "request 0: prompt 40 \\+ output 100 tokens exceed max_seq_len 128",
+        ),
+        (
+            lambda: Engine(TINY, device="cpu").run(lk.Trace.from_lengths([2], prompt_tokens=[[5, 97]]), lk.Static(1)),
+            r"request 0: prompt token id 97 at position 1 is outside the vocabulary \(0..96\)",
         ),
         (
             lambda: Engine(TINY, device="cpu", block_size=4).run(MIXED, lk.Continuous(2), num_blocks=7),

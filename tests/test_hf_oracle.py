@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+import labkit as lk
+from labkit.engine import Engine
 from labkit.engine.kv import PagedKVCache
 from labkit.engine.model import ModelConfig, StepBatch, TinyGPT
 
@@ -67,17 +69,32 @@ def test_last_logits_match_hf(model, hf_model, length):
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
+def hf_greedy(hf_model, ids: list[int], num_out: int) -> list[int]:
+    """transformers' own greedy `generate`, forced to emit exactly `num_out` tokens."""
+    out = hf_model.generate(
+        torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+        do_sample=False, max_new_tokens=num_out, min_new_tokens=num_out, eos_token_id=None, pad_token_id=0,
+    )
+    return out[0, len(ids) :].tolist()
+
+
 def test_greedy_tokens_match_hf_generate(model, hf_model):
     prompts = [prompt(length, seed=length) for length in PROMPT_LENS]
-    expected = []
-    for ids in prompts:
-        out = hf_model.generate(
-            torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            do_sample=False, max_new_tokens=NUM_OUT, min_new_tokens=NUM_OUT, eos_token_id=None, pad_token_id=0,
-        )
-        expected.append(out[0, len(ids) :].tolist())
+    expected = [hf_greedy(hf_model, ids, NUM_OUT) for ids in prompts]
     assert all(len(tokens) == NUM_OUT for tokens in expected)
     assert greedy_paged(model, prompts, NUM_OUT) == expected
+
+
+def test_engine_under_continuous_batching_matches_hf_generate(hf_model):
+    """The whole engine (scheduler, block pool, paged cache, TinyGPT) against transformers."""
+    engine = Engine(model=TinyGPT.from_hf_llama(hf_model), device="cpu", seed=3, block_size=BLOCK_SIZE)
+    trace = lk.Trace.from_lengths([6, 3, 9, 5, 2], prompt_lengths=[0, 4, 11, 7, 20])
+    log = engine.run(trace, lk.Continuous(num_slots=2), progress=False)
+    expected = {
+        int(rid): hf_greedy(hf_model, engine.prompt_ids(int(rid), int(prompt_len)), int(length))
+        for rid, prompt_len, length in zip(trace.ids, trace.prompt_lengths, trace.output_lengths)
+    }
+    assert log.outputs == expected
 
 
 def test_load_rejects_other_sizes(hf_model):

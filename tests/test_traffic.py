@@ -35,6 +35,14 @@ def test_select_keeps_ids_and_backlogged_zeroes_arrivals():
     assert sub.backlogged().ids.tolist() == [3, 5]
 
 
+def test_prompt_tokens_travel_with_their_requests():
+    trace = lk.Trace.from_lengths([3, 4, 5], prompt_tokens=[[5, 6], [], [7, 8, 9]])
+    assert trace.prompt_lengths.tolist() == [2, 0, 3]
+    assert [p.tolist() for p in trace.select([2, 0]).prompt_tokens] == [[7, 8, 9], [5, 6]]
+    assert [p.tolist() for p in trace.backlogged().prompt_tokens] == [[5, 6], [], [7, 8, 9]]
+    assert lk.Trace.toy().prompt_tokens == ()
+
+
 def test_trace_columns_are_read_only():
     trace = lk.Trace.toy()
     with pytest.raises(ValueError):
@@ -127,6 +135,9 @@ def test_from_csv_reads_gzip(tmp_path):
         (lambda: lk.Trace.sample(10, rate=1.0, burstiness=0), "burstiness = 0"),
         (lambda: lk.Trace.sample(10, output="lognormal", sigma=0), "sigma = 0"),
         (lambda: lk.Trace.toy().select([8]), r"select\(\[8\]\)"),
+        (lambda: lk.Trace.from_lengths([3], prompt_lengths=[2], prompt_tokens=[[1]]), r"prompt_tokens\[0\] has 1 ids"),
+        (lambda: lk.Trace.from_lengths([3], prompt_tokens=[[1, -2]]), r"prompt_tokens\[0\]\[1\] = -2"),
+        (lambda: lk.Trace.from_lengths([3, 4], prompt_tokens=[[1]]), "prompt_tokens has 1 entries"),
     ],
 )
 def test_bad_input_names_the_field_and_value(make, message):

@@ -7,8 +7,9 @@ applies its decision and records the step; this module only executes steps.
 Invariants:
 
 - every sequence is a begin-of-sequence token, the request's prompt, then its outputs;
-  prompt ids depend only on the engine's seed and the request id, so a request is the
-  same request alone or batched, in any run;
+  prompt ids come from the trace when it carries them, and are otherwise drawn from the
+  engine's seed and the request id, so a request is the same request alone or batched,
+  in any run;
 - a request's KV lives in the paged cache blocks that `labkit.sched.BlockPool` lent
   it; every block is back in the pool when a run ends;
 - decoding is greedy and each request emits exactly its output length (EOS is ignored);
@@ -70,6 +71,7 @@ class Engine:
         progress: show a progress bar for runs longer than about a second.
         """
         need = self._check_fits(trace)
+        self._check_vocabulary(trace)
         num_blocks = self._check_pool(num_blocks, need, policy.num_slots)
         steps = _TorchSteps(self, PagedKVCache(self.config, num_blocks, self.block_size, self.device), policy, trace)
         blocks = BlockPool(num_blocks, self.block_size)
@@ -109,6 +111,15 @@ class Engine:
             )
         return -(-int(lengths.max()) // self.block_size)
 
+    def _check_vocabulary(self, trace: Trace) -> None:
+        for i, tokens in enumerate(trace.prompt_tokens):
+            outside = np.flatnonzero(tokens >= self.config.vocab_size)
+            if outside.size:
+                raise ValueError(
+                    f"request {int(trace.ids[i])}: prompt token id {int(tokens[outside[0]])} at position "
+                    f"{int(outside[0])} is outside the vocabulary (0..{self.config.vocab_size - 1})"
+                )
+
     def _check_pool(self, num_blocks: int | None, need: int, num_slots: int) -> int:
         if num_blocks is None:
             return num_slots * need
@@ -134,6 +145,9 @@ class _TorchSteps:
     _last_step_end: float | None = None
 
     def prompt(self, index: int) -> list[int]:
+        """The begin-of-sequence token and the prompt: the trace's ids if it has them, else drawn."""
+        if self.trace.prompt_tokens:
+            return [BOS_TOKEN, *self.trace.prompt_tokens[index].tolist()]
         return self.engine.prompt_ids(int(self.trace.ids[index]), int(self.trace.prompt_lengths[index]))
 
     def execute(self, state: SchedulerState, running: list[Request], num_steps: int, log: StepLog) -> float:
