@@ -12,22 +12,22 @@ MIXED = lk.Trace.from_lengths([5, 1, 9, 3, 7, 2], prompt_lengths=[3, 0, 12, 1, 2
 
 @pytest.fixture(scope="module")
 def engine():
-    return Engine(TINY, device="cpu", seed=0, block_size=4)
+    return Engine(TINY, device="cpu", seed=0)
 
 
 @pytest.fixture(scope="module")
 def solo(engine):
     """Each request of MIXED run alone: the reference every batched run must reproduce."""
-    return {int(rid): engine.run(MIXED.select([i]), lk.Continuous(num_slots=1), progress=False).outputs[int(rid)]
-            for i, rid in enumerate(MIXED.ids)}
+    return solo_outputs(engine, MIXED)
 
 
 POLICIES = [
     lk.Static(num_slots=1),
-    lk.Static(num_slots=2),
+    lk.Static(num_slots=2, block_size=4),
     lk.Static(num_slots=4, drop_finished=True),
+    lk.Static(num_slots=3, num_blocks=10, block_size=4),
     lk.Continuous(num_slots=2),
-    lk.Continuous(num_slots=3),
+    lk.Continuous(num_slots=3, block_size=4),
     lk.Continuous(num_slots=6),
 ]
 
@@ -44,7 +44,7 @@ def test_outputs_have_exactly_the_requested_lengths(solo):
 
 def test_solo_comparison_can_fail(solo):
     """Negative control: another seed's weights and prompts give other tokens."""
-    other = Engine(TINY, device="cpu", seed=1, block_size=4)
+    other = Engine(TINY, device="cpu", seed=1)
     log = other.run(MIXED, lk.Continuous(num_slots=3), progress=False)
     assert log.outputs != solo
 
@@ -89,6 +89,42 @@ def test_prompt_ids_come_from_the_trace_when_it_has_them(engine, solo):
     assert engine.run(same, lk.Continuous(num_slots=3), progress=False).outputs == solo
     other = lk.Trace.from_lengths(MIXED.output_lengths, prompt_tokens=[[(t + 1) % 97 for t in p] for p in drawn])
     assert engine.run(other, lk.Continuous(num_slots=3), progress=False).outputs != solo
+
+
+GROWING = lk.Trace.from_lengths([12, 10, 14, 9, 11], prompt_lengths=[6, 7, 5, 8, 3])
+
+
+def solo_outputs(engine, trace):
+    return {int(rid): engine.run(trace.select([i]), lk.Continuous(num_slots=1), progress=False).outputs[int(rid)]
+            for i, rid in enumerate(trace.ids)}
+
+
+@pytest.mark.parametrize("victim", ["newest", "longest"])
+@pytest.mark.parametrize("num_blocks", [6, 9, 12])
+def test_preempted_requests_recompute_to_the_same_tokens(engine, victim, num_blocks):
+    """A pool so small that running requests are preempted and recomputed, token for token."""
+    policy = lk.Continuous(num_slots=4, num_blocks=num_blocks, block_size=4, victim=victim)
+    log = engine.run(GROWING, policy, progress=False)
+    assert log.num_preemptions > 0 and log.recomputed_tokens > 0
+    assert log.outputs == solo_outputs(engine, GROWING)
+    assert log.slots.tolist() == lk.simulate(GROWING, policy).slots.tolist()
+
+
+@pytest.mark.parametrize("budget", [1, 4, 16])
+def test_chunked_prefill_gives_the_same_tokens(engine, solo, budget):
+    policy = lk.Continuous(num_slots=3, max_tokens_per_step=budget, chunked_prefill=True)
+    log = engine.run(MIXED, policy, progress=False)
+    assert log.outputs == solo
+    assert log.prefill_tokens.max() <= budget
+    assert log.slots.tolist() == lk.simulate(MIXED, policy).slots.tolist()
+
+
+def test_preemption_and_chunking_together(engine):
+    policy = lk.Continuous(num_slots=4, num_blocks=7, block_size=4, max_tokens_per_step=4, chunked_prefill=True,
+                           victim="longest")
+    log = engine.run(GROWING, policy, progress=False)
+    assert log.num_preemptions > 0 and log.outputs == solo_outputs(engine, GROWING)
+    assert log.slots.tolist() == lk.simulate(GROWING, policy).slots.tolist()
 
 
 def test_prefill_marks_the_prompt_tokens(engine):
@@ -144,8 +180,12 @@ def test_arrivals_are_served_on_the_measured_clock(engine):
             r"request 0: prompt token id 97 at position 1 is outside the vocabulary \(0..96\)",
         ),
         (
-            lambda: Engine(TINY, device="cpu", block_size=4).run(MIXED, lk.Continuous(2), num_blocks=7),
-            "num_blocks = 7: the KV pool must hold 2 slots x 7 blocks",
+            lambda: Engine(TINY, device="cpu").run(MIXED, lk.Continuous(2, num_blocks=6, block_size=4)),
+            "request 4: prompt 20 \\+ output 7 tokens need 7 blocks of 4, more than the whole pool of num_blocks = 6",
+        ),
+        (
+            lambda: Engine(TINY, device="cpu").run(MIXED, lk.Continuous(2, max_tokens_per_step=16)),
+            "request 2: its prompt can take 13 tokens|request 4: its prompt can take 21 tokens",
         ),
     ],
 )

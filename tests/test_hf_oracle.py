@@ -87,9 +87,9 @@ def test_greedy_tokens_match_hf_generate(model, hf_model):
 
 def test_engine_under_continuous_batching_matches_hf_generate(hf_model):
     """The whole engine (scheduler, block pool, paged cache, TinyGPT) against transformers."""
-    engine = Engine(model=TinyGPT.from_hf_llama(hf_model), device="cpu", seed=3, block_size=BLOCK_SIZE)
+    engine = Engine(model=TinyGPT.from_hf_llama(hf_model), device="cpu", seed=3)
     trace = lk.Trace.from_lengths([6, 3, 9, 5, 2], prompt_lengths=[0, 4, 11, 7, 20])
-    log = engine.run(trace, lk.Continuous(num_slots=2), progress=False)
+    log = engine.run(trace, lk.Continuous(num_slots=2, block_size=BLOCK_SIZE), progress=False)
     expected = {
         int(rid): hf_greedy(hf_model, engine.prompt_ids(int(rid), int(prompt_len)), int(length))
         for rid, prompt_len, length in zip(trace.ids, trace.prompt_lengths, trace.output_lengths)

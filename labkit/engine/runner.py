@@ -11,7 +11,12 @@ Invariants:
   engine's seed and the request id, so a request is the same request alone or batched,
   in any run;
 - a request's KV lives in the paged cache blocks that `labkit.sched.BlockPool` lent
-  it; every block is back in the pool when a run ends;
+  it, `policy.block_size` tokens each; the pool has the policy's `num_blocks`, or, when
+  that is unlimited, enough for every slot to hold the longest request; every block is
+  back in the pool when a run ends;
+- each step processes exactly the tokens the policy scheduled: a whole prompt, a chunk
+  of one, a recompute of prompt and outputs after preemption, or one decode token; a
+  request samples its next token only when the step leaves none of its tokens uncomputed;
 - decoding is greedy and each request emits exactly its output length (EOS is ignored);
 - the clock advances by each step's measured wall time (schedule + prepare + forward +
   sample); when nothing runs it jumps to the next arrival rather than sleeping;
@@ -47,14 +52,12 @@ class Engine:
         config: ModelConfig | None = None,
         device: str = "auto",
         seed: int = 0,
-        block_size: int = 16,
         model: TinyGPT | None = None,
     ):
         self.device = resolve_device(device)
         self.model = (model or TinyGPT(config or ModelConfig(), seed=seed)).to(self.device).eval()
         self.config = self.model.config
         self.seed = seed
-        self.block_size = block_size
 
     def __repr__(self) -> str:
         return f"Engine({self.config}, device={str(self.device)!r}, seed={self.seed})"
@@ -64,31 +67,37 @@ class Engine:
         rng = np.random.default_rng([self.seed, request_id])
         return [BOS_TOKEN, *rng.integers(1, self.config.vocab_size, prompt_len).tolist()]
 
-    def run(self, trace: Trace, policy, on_step=None, progress: bool = True, num_blocks: int | None = None) -> StepLog:
+    def run(self, trace: Trace, policy, on_step=None, progress: bool = True) -> StepLog:
         """Serve `trace` with `policy`; returns the StepLog, with `outputs` and measured times.
 
-        num_blocks: size of the KV pool; None sizes it so every slot can hold the longest request.
         progress: show a progress bar for runs longer than about a second.
         """
-        need = self._check_fits(trace)
+        self._check_fits(trace)
         self._check_vocabulary(trace)
-        num_blocks = self._check_pool(num_blocks, need, policy.num_slots)
-        steps = _TorchSteps(self, PagedKVCache(self.config, num_blocks, self.block_size, self.device), policy, trace)
-        blocks = BlockPool(num_blocks, self.block_size)
+        blocks = BlockPool(self._num_blocks(trace, policy), policy.block_size)
+        cache = PagedKVCache(self.config, blocks.num_blocks, blocks.block_size, self.device)
+        steps = _TorchSteps(self, cache, policy, trace)
         with torch.inference_mode(), tqdm(
             total=int(trace.output_lengths.sum()), unit="tok", delay=1.0, disable=not progress, leave=False
         ) as steps.progress:
             log = drive(trace, policy, steps, on_step, blocks)
-        assert blocks.num_free_blocks == num_blocks, "a run must return every KV block"
+        assert blocks.num_free_blocks == blocks.num_blocks, "a run must return every KV block"
         log.outputs = {int(trace.ids[i]): tokens[len(steps.prompt(i)) :] for i, tokens in steps.sequences.items()}
         return log
 
-    def time_decode_step(self, batch_size: int, context_len: int = 128, repeats: int = 5) -> float:
+    def _num_blocks(self, trace: Trace, policy) -> int:
+        """The policy's pool, or one where every slot can hold the longest request."""
+        if policy.num_blocks is not None:
+            return policy.num_blocks
+        longest = int((trace.prompt_lengths + trace.output_lengths).max())  # BOS + prompt + outputs fed back
+        return policy.num_slots * -(-longest // policy.block_size)
+
+    def time_decode_step(self, batch_size: int, context_len: int = 128, repeats: int = 5, block_size: int = 16) -> float:
         """Median seconds of one decode step of `batch_size` requests, each `context_len` tokens deep."""
-        blocks_per_request = -(-context_len // self.block_size)
-        cache = PagedKVCache(self.config, batch_size * blocks_per_request, self.block_size, self.device)
+        blocks_per_request = -(-context_len // block_size)
+        cache = PagedKVCache(self.config, batch_size * blocks_per_request, block_size, self.device)
         tables = torch.arange(batch_size * blocks_per_request, device=self.device).view(batch_size, -1)  # (B, blocks)
-        batch = StepBatch.build([[1]] * batch_size, [context_len - 1] * batch_size, list(tables), self.block_size)
+        batch = StepBatch.build([[1]] * batch_size, [context_len - 1] * batch_size, list(tables), block_size)
         timings = []
         with torch.inference_mode():
             for _ in range(repeats + 1):  # the first call warms up
@@ -99,9 +108,9 @@ class Engine:
                 timings.append(time.perf_counter() - start)
         return float(np.median(timings[1:]))
 
-    def _check_fits(self, trace: Trace) -> int:
-        """Blocks the longest request needs; a ValueError if a request can never fit the model."""
-        lengths = 1 + trace.prompt_lengths + trace.output_lengths - 1  # BOS + prompt + outputs fed back
+    def _check_fits(self, trace: Trace) -> None:
+        """A ValueError if a request can never fit the model."""
+        lengths = trace.prompt_lengths + trace.output_lengths  # BOS + prompt + outputs fed back
         too_long = np.flatnonzero(lengths > self.config.max_seq_len)
         if too_long.size:
             i = int(too_long[0])
@@ -109,7 +118,6 @@ class Engine:
                 f"request {int(trace.ids[i])}: prompt {int(trace.prompt_lengths[i])} + output "
                 f"{int(trace.output_lengths[i])} tokens exceed max_seq_len {self.config.max_seq_len}"
             )
-        return -(-int(lengths.max()) // self.block_size)
 
     def _check_vocabulary(self, trace: Trace) -> None:
         for i, tokens in enumerate(trace.prompt_tokens):
@@ -119,16 +127,6 @@ class Engine:
                     f"request {int(trace.ids[i])}: prompt token id {int(tokens[outside[0]])} at position "
                     f"{int(outside[0])} is outside the vocabulary (0..{self.config.vocab_size - 1})"
                 )
-
-    def _check_pool(self, num_blocks: int | None, need: int, num_slots: int) -> int:
-        if num_blocks is None:
-            return num_slots * need
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < need * num_slots:
-            raise ValueError(
-                f"num_blocks = {num_blocks!r}: the KV pool must hold {num_slots} slots x {need} blocks of "
-                f"{self.block_size} tokens ({need * num_slots} blocks) for the longest request of this trace"
-            )
-        return num_blocks
 
 
 @dataclass(eq=False)
@@ -150,36 +148,39 @@ class _TorchSteps:
             return [BOS_TOKEN, *self.trace.prompt_tokens[index].tolist()]
         return self.engine.prompt_ids(int(self.trace.ids[index]), int(self.trace.prompt_lengths[index]))
 
-    def execute(self, state: SchedulerState, running: list[Request], num_steps: int, log: StepLog) -> float:
+    def execute(self, state: SchedulerState, scheduled: dict[Request, int], num_steps: int, log: StepLog) -> float:
         start = time.perf_counter()
         schedule = start - self._last_step_end if self._last_step_end else 0.0
-        batch = self._prepare(running + self._padded_rows(state))
+        rows = [*scheduled.items(), *((r, 0) for r in self._padded_rows(state))]
+        batch = self._prepare(rows)
         prepared = time.perf_counter()
         logits = self.engine.model(batch, self.cache)  # (num_rows, vocab)
         if self.engine.device.type == "cuda":
             torch.cuda.synchronize()
         computed = time.perf_counter()
-        for request, token in zip(running, logits[: len(running)].argmax(dim=-1).tolist()):
-            self.sequences[request.index].append(token)
+        emitting = [i for i, (request, n) in enumerate(rows) if n and n == request.num_uncomputed]
+        for i, token in zip(emitting, logits[emitting].argmax(dim=-1).tolist()):
+            self.sequences[rows[i][0].index].append(token)
         self._last_step_end = time.perf_counter()
         log.record_phases(
             schedule=schedule, prepare=prepared - start, forward=computed - prepared, sample=self._last_step_end - computed
         )
-        self.progress.update(len(running))
+        log.record_kv_tokens(sum(batch.context_lens))
+        self.progress.update(len(emitting))
         return schedule + self._last_step_end - start
 
     def _padded_rows(self, state: SchedulerState) -> list[Request]:
         return [] if getattr(self.policy, "drop_finished", True) else state.finished_in_slots()
 
-    def _prepare(self, rows: list[Request]) -> StepBatch:
-        """Each row's new tokens: its whole prompt (prefill), its last output (decode), or,
-        for a finished row kept as padding, its last fed token again."""
+    def _prepare(self, rows: list[tuple[Request, int]]) -> StepBatch:
+        """Each row's new tokens: the next `n` uncomputed ones (a prompt, a chunk, a recompute,
+        or the last output), or, for a finished row kept as padding (n = 0), its last
+        computed token again, rewritten in place."""
         new_tokens, starts = [], []
-        for request in rows:
+        for request, num_tokens in rows:
             sequence = self.sequences.setdefault(request.index, self.prompt(request.index))
-            end = request.context_len(0 if request.is_finished else 1)
-            start = 0 if request.num_generated == 0 else end - 1
-            new_tokens.append(sequence[start:end])
-            starts.append(start)
-        tables = [torch.tensor(r.block_table, dtype=torch.long, device=self.engine.device) for r in rows]
-        return StepBatch.build(new_tokens, starts, tables, self.engine.block_size)
+            first = request.num_computed if num_tokens else request.num_computed - 1
+            new_tokens.append(sequence[first : first + max(num_tokens, 1)])
+            starts.append(first)
+        tables = [torch.tensor(r.block_table, dtype=torch.long, device=self.engine.device) for r, _ in rows]
+        return StepBatch.build(new_tokens, starts, tables, self.cache.block_size)

@@ -8,14 +8,19 @@ Invariants:
 
 - requests join the queue in arrival order (ties by trace position) at the first
   decision point at or after their arrival;
-- a request admitted at step s does its prefill and emits its first token at step s,
-  then one token per step: its L tokens come at steps s .. s+L-1;
+- a scheduled request processes its tokens in the step; it emits an output token when
+  the step leaves none of its known tokens uncomputed (a whole prefill, the last chunk of
+  one, a recompute, or a decode); a request whose prefill fits one step and which is never
+  preempted emits its L tokens at steps s .. s+L-1 after admission at step s;
+- every request that fits the policy's limits (`policy.check_fits`, checked before any
+  work) finishes with exactly its output length;
 - a run ends when every request has finished, with every slot (and KV block) released;
 - when nothing runs, the clock jumps to the next arrival or the time the policy asked
   to wake at; if neither exists while requests wait, the run stops with an error
   instead of spinning;
-- a back end with a fixed `step_time` may run a decision for every step until the next
-  event (a finish, an arrival, the policy's wake time) at once; this gives the same log
+- a back end with a fixed `step_time` may run a decision of plain decode steps for
+  every step until the next event (a finish, an arrival, the policy's wake time, or
+  the point where the free blocks might not cover growth) at once; this gives the same log
   as asking the policy before every step, because policies decide only on events (see
   `labkit.sched.policy`). With `on_step`, the policy is asked before every step.
 """
@@ -30,7 +35,7 @@ from typing import Protocol
 import numpy as np
 
 from labkit.sched.blocks import BlockPool
-from labkit.sched.policy import Decision
+from labkit.sched.policy import NO_BUDGET, Decision
 from labkit.sched.state import Request, SchedulerState
 from labkit.sched.steplog import StepLog
 from labkit.traffic import Trace
@@ -43,8 +48,9 @@ class Backend(Protocol):
 
     step_time: float | None
 
-    def execute(self, state: SchedulerState, running: list[Request], num_steps: int, log: StepLog) -> float:
-        """Run `num_steps` steps of `running` (in slot order); return the seconds each took."""
+    def execute(self, state: SchedulerState, scheduled: dict[Request, int], num_steps: int, log: StepLog):
+        """Run `num_steps` steps in which each scheduled request processes its number of
+        tokens; return the seconds each step took (a number, or one per step)."""
 
 
 def drive(
@@ -54,8 +60,15 @@ def drive(
     on_step: Callable[[StepLog], None] | None = None,
     blocks: BlockPool | None = None,
 ) -> StepLog:
-    """Serve `trace` with `policy` on `backend`; `on_step(log)` is called after every step if given."""
+    """Serve `trace` with `policy` on `backend`; `on_step(log)` is called after every step if given.
+
+    blocks: the KV pool; by default the policy's (`num_blocks`), or none when that is unlimited.
+    """
     requests = _requests(trace)
+    for request in requests:
+        policy.check_fits(request)
+    if blocks is None and policy.num_blocks is not None:
+        blocks = BlockPool(policy.num_blocks, policy.block_size)
     state = SchedulerState(policy.num_slots, requests, blocks)
     pending = deque(sorted(requests, key=lambda r: (r.arrival, r.index)))
     state.now = pending[0].arrival
@@ -65,19 +78,24 @@ def drive(
     while num_unfinished:
         _arrive(pending, state, eps)
         decision = policy.schedule(state)
+        if decision.preempt:
+            log.count_preemptions([state.by_id[i] for i in decision.preempt])
         for request in state.apply(decision):
             log.admit_step[request.index] = state.num_steps
-        running = state.running()
-        if not running:
-            state.now = _idle_until(state, pending, decision, policy)
+            if policy.reserves_whole_length:
+                state.reserve(request)
+        scheduled = _scheduled(state, decision)
+        if not scheduled:
+            if not (decision.preempt or decision.release):  # else the policy may decide anew at once
+                state.now = _idle_until(state, pending, decision, policy)
             continue
-        if on_step or backend.step_time is None:
+        if on_step or backend.step_time is None or not _repeats(decision, scheduled):
             num_steps = 1
         else:
-            num_steps = _steps_until_event(state, running, pending, decision, backend.step_time)
-        state.grow(running, num_steps)
-        seconds = backend.execute(state, running, num_steps, log)
-        num_unfinished -= _record(state, running, num_steps, seconds, log, decision)
+            num_steps = _steps_until_event(state, scheduled, pending, decision, backend.step_time)
+        state.grow(scheduled, num_steps)
+        seconds = backend.execute(state, scheduled, num_steps, log)
+        num_unfinished -= _record(state, scheduled, num_steps, seconds, log, decision)
         if on_step:
             on_step(log)
     state.apply(Decision(release=tuple(r.id for r in state.finished_in_slots())))  # drain: free every slot
@@ -91,6 +109,24 @@ def _requests(trace: Trace) -> list[Request]:
             zip(trace.ids, trace.arrivals, trace.prompt_lengths, trace.output_lengths)
         )
     ]
+
+
+def _scheduled(state: SchedulerState, decision: Decision) -> dict[Request, int]:
+    """Who processes how many tokens this step, in slot order."""
+    if decision.num_tokens is None:
+        return {r: r.num_uncomputed for r in state.slots if r is not None and r.num_generated < r.output_len}
+    return {r: decision.num_tokens[r.id] for r in state.running() if r.id in decision.num_tokens}
+
+
+def _repeats(decision: Decision, scheduled: dict[Request, int]) -> bool:
+    """Whether the steps after this one will be scheduled alike until the next event: every
+    request emits now, so it decodes next; nobody was preempted (a preempting step admits
+    nobody); and no waiting request was held back only by budget this step's prefills use."""
+    if decision.num_tokens is None:
+        return True
+    if decision.preempt or not all(n == r.num_uncomputed for r, n in scheduled.items()):
+        return False
+    return decision.blocked != NO_BUDGET or all(r.is_decoding for r in scheduled)
 
 
 def _arrive(pending: deque[Request], state: SchedulerState, eps: float) -> None:
@@ -112,31 +148,60 @@ def _idle_until(state: SchedulerState, pending: deque[Request], decision: Decisi
     return min(wakes)
 
 
-def _steps_until_event(state, running, pending, decision: Decision, step_time: float) -> int:
-    """Steps the current decision holds for: until a request finishes, arrives, or the policy wakes."""
-    count = min([r.output_len - r.num_generated for r in running])
+def _steps_until_event(state, scheduled: dict[Request, int], pending, decision: Decision, step_time: float) -> int:
+    """Plain decode steps the decision holds for: until a request finishes, one arrives, the
+    policy wakes, or the free blocks might not cover the requests' growth. The first of them
+    may complete prefills."""
+    count = min([r.output_len - r.num_generated for r in scheduled])
     for moment in (pending[0].arrival if pending else None, decision.wake_at):
         if moment is not None and moment > state.now + _TOLERANCE * step_time:
             count = min(count, math.ceil((moment - state.now) / step_time - _TOLERANCE))
+    if state.blocks is not None:
+        count = min(count, _steps_within_free_blocks(state.blocks, scheduled))
     return count
 
 
-def _record(state: SchedulerState, running: list[Request], count: int, seconds: float, log: StepLog, decision) -> int:
-    """Log `count` steps of the running requests and advance them; returns how many finished."""
+def _steps_within_free_blocks(blocks: BlockPool, scheduled: dict[Request, int]) -> int:
+    """Steps that surely need no more blocks than are free: none before the first request
+    fills its last block, then at most one block per request every `block_size` steps."""
+    after_first = {r: r.num_computed + n for r, n in scheduled.items()}  # tokens cached after the first step
+    free = blocks.num_free_blocks - sum(blocks.num_blocks_for(c) - len(r.block_table) for r, c in after_first.items())
+    room = min(blocks.block_size * blocks.num_blocks_for(c) - c for c in after_first.values())
+    return 1 + room + blocks.block_size * (free // len(scheduled))
+
+
+def _record(state: SchedulerState, scheduled: dict[Request, int], count: int, seconds, log: StepLog, decision) -> int:
+    """Log `count` steps of the scheduled requests and advance them; returns how many finished.
+
+    With count > 1, every request emits every step: its tokens in the first, one token after.
+    """
     row = [-1] * state.num_slots
-    starting, finishing = [], []
-    for request in running:
+    prefills, starting, finishing = [], [], []
+    num_chunks = 0
+    for request, num_tokens in scheduled.items():
         row[request.slot] = request.id
-        if not request.num_generated:
-            starting.append(request)
-        request.num_generated += count
-        if request.num_generated == request.output_len:
+        generated = request.num_generated
+        if request.num_uncomputed > 1 or not generated:  # a prefill (or its chunk, or a recompute)
+            prefills.append((request.slot, num_tokens))
+            if num_tokens < request.num_uncomputed:  # a chunk: nothing to emit yet
+                request.num_uncomputed -= num_tokens
+                num_chunks += 1
+                continue
+            request.num_uncomputed = 1  # the new output token
+            if not generated:
+                starting.append(request.index)
+        generated += count
+        request.num_generated = generated
+        if generated == request.output_len:
             finishing.append(request.index)
-    log.append(np.array(row), count, len(state.waiting), decision.blocked, state.now, seconds)
+    num_emitted = len(scheduled) - num_chunks
+    log.append(tuple(row), count, len(state.waiting), decision.blocked, state.now, seconds, num_emitted)
+    if prefills:
+        log.mark_prefills(state.num_steps, *map(list, zip(*prefills)))
     if starting:
-        log.mark_prefills(state.num_steps, [r.slot for r in starting], [r.num_prompt_tokens for r in starting])
-        log.first_token_step[[r.index for r in starting]] = state.num_steps
-    log.finish_step[finishing] = state.num_steps + count - 1
+        log.first_token_step[starting] = state.num_steps
+    if finishing:
+        log.finish_step[finishing] = state.num_steps + count - 1
     state.num_steps += count
-    state.now += count * seconds
+    state.now += float(np.sum(seconds)) if np.ndim(seconds) else count * seconds
     return len(finishing)

@@ -1,14 +1,26 @@
 """Scheduling policies: they decide, they never act.
 
 `policy.schedule(state) -> Decision` looks at a `SchedulerState` and says which
-finished requests leave their slots and which waiting requests join. The back end
-(simulator or engine) applies the decision and runs the step. In this version every
-request that holds a slot and is not finished decodes one token per step.
+finished requests leave their slots, which running requests are preempted, which
+waiting requests join, and how many tokens each scheduled request processes. The back
+end (simulator or engine) applies the decision and runs the step.
 
-Invariant every policy keeps: its decision depends only on who waits, who holds
-which slot, who has finished, and the clock compared with the `wake_at` time it
-asked for. Between such events it would decide nothing new, which lets the
-simulator run a decision for many steps at once.
+Knobs, and the vLLM setting each one plays:
+
+- `num_slots`: requests that may run at once (`max_num_seqs`);
+- `num_blocks`: the KV pool in blocks (the number of GPU blocks); None is unlimited;
+- `block_size`: tokens per KV block (`block_size`);
+- `max_tokens_per_step` (Continuous): tokens one step may process (`max_num_batched_tokens`);
+- `chunked_prefill` (Continuous): whether a prompt may be split over steps
+  (`enable_chunked_prefill`);
+- `victim` (Continuous): which running request is preempted when blocks run out:
+  "newest" (as vLLM does) or "longest" (the one holding the most cache).
+
+Invariant every policy keeps: its decision depends only on who waits, who holds which
+slot, how far each request has got, the free blocks, and the clock compared with the
+`wake_at` time it asked for. So a decision made before a run of plain decode steps,
+in which nobody finishes, arrives or runs out of blocks, holds for all of them, and
+the simulator may run it for many steps at once.
 """
 
 from __future__ import annotations
@@ -18,24 +30,33 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from labkit.sched.state import SchedulerState
+    from labkit.sched.state import Request, SchedulerState
 
 NO_SLOT = "no_slot"
+NO_BLOCKS = "no_blocks"
+NO_BUDGET = "no_budget"
 BATCH_FORMING = "batch_forming"
+VICTIMS = ("newest", "longest")
 
 
 @dataclass(frozen=True)
 class Decision:
     """What happens before the next step.
 
-    release: ids of requests whose slots are freed.
+    release: ids of finished requests whose slots are freed.
+    preempt: ids of running requests sent back to the head of the queue, their KV blocks
+        freed, in the order they will wait there.
     admit: ids of waiting requests that take free slots, in this order.
+    num_tokens: {id: tokens} each scheduled request processes this step; None means every
+        running request processes all its uncomputed tokens (a whole prefill or a decode).
     blocked: why the head of the queue still waits ("" when nothing waits).
     wake_at: a time at which to ask again even if nothing else changes.
     """
 
     release: tuple[int, ...] = ()
+    preempt: tuple[int, ...] = ()
     admit: tuple[int, ...] = ()
+    num_tokens: dict[int, int] | None = None
     blocked: str = ""
     wake_at: float | None = None
 
@@ -50,61 +71,199 @@ def _short_repr(policy) -> str:
     return f"{type(policy).__name__}({', '.join(shown)})"
 
 
-def _check_num_slots(num_slots) -> None:
-    if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
-        raise ValueError(f"num_slots = {num_slots!r}: must be a whole number >= 1")
+def _check_whole(name: str, value, minimum: int, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        none = " or None" if optional else ""
+        raise ValueError(f"{name} = {value!r}: must be a whole number >= {minimum}{none}")
 
 
 @dataclass(frozen=True, repr=False)
-class Continuous:
-    """Iteration-level scheduling: before every step, finished requests leave and
-    waiting ones join the free slots, first come first served."""
+class _Policy:
+    """Knobs every policy has: slots and the KV pool."""
 
     num_slots: int
+    num_blocks: int | None = field(default=None, kw_only=True)
+    block_size: int = field(default=16, kw_only=True)
+    reserves_whole_length = False  # whether admission takes every block a request will need
 
     def __post_init__(self):
-        _check_num_slots(self.num_slots)
+        _check_whole("num_slots", self.num_slots, 1)
+        _check_whole("num_blocks", self.num_blocks, 1, optional=True)
+        _check_whole("block_size", self.block_size, 1)
 
     __repr__ = _short_repr
 
+    def check_fits(self, request: Request) -> None:
+        """A ValueError, before any work, if `request` can never be served."""
+        need = -(-request.max_context_len // self.block_size)
+        if self.num_blocks is not None and need > self.num_blocks:
+            raise ValueError(
+                f"request {request.id}: prompt {request.prompt_len} + output {request.output_len} tokens need "
+                f"{need} blocks of {self.block_size}, more than the whole pool of num_blocks = {self.num_blocks}"
+            )
+
+
+@dataclass(frozen=True, repr=False)
+class Continuous(_Policy):
+    """Iteration-level scheduling: before every step, finished requests leave, running
+    requests are scheduled first (one token per decode), and waiting requests join the
+    free slots, first come first served, while slots, blocks and token budget last.
+    When a running request cannot get a block, the `victim` is preempted."""
+
+    max_tokens_per_step: int | None = field(default=None, kw_only=True)
+    chunked_prefill: bool = field(default=False, kw_only=True)
+    victim: str = field(default="newest", kw_only=True)
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check_whole("max_tokens_per_step", self.max_tokens_per_step, 1, optional=True)
+        if not isinstance(self.chunked_prefill, bool):
+            raise ValueError(f"chunked_prefill = {self.chunked_prefill!r}: must be True or False")
+        if self.victim not in VICTIMS:
+            raise ValueError(f"victim = {self.victim!r}: choose one of {VICTIMS}")
+
+    def check_fits(self, request: Request) -> None:
+        super().check_fits(request)
+        longest_prefill = request.max_context_len if self.num_blocks is not None else request.num_prompt_tokens
+        if not self.chunked_prefill and self.max_tokens_per_step is not None and longest_prefill > self.max_tokens_per_step:
+            what = "prompt plus outputs to recompute after a preemption" if self.num_blocks is not None else "prompt"
+            raise ValueError(
+                f"request {request.id}: its {what} can take {longest_prefill} tokens in one step, more than "
+                f"max_tokens_per_step = {self.max_tokens_per_step}; allow chunked_prefill=True or raise the budget"
+            )
+
     def schedule(self, state: SchedulerState) -> Decision:
         release = state.finished_in_slots()
+        if self.num_blocks is None and self.max_tokens_per_step is None:
+            return self._schedule_unlimited(state, release)
+        plan = _Plan(state, self.max_tokens_per_step, sum(len(r.block_table) for r in release))
+        for request in sorted(state.running(), key=lambda r: r.admitted_order):
+            if request.id not in plan.preempted:
+                self._schedule_running(plan, request)
+        num_free_slots = state.num_free_slots() + len(release) + len(plan.preempted)
+        blocked = NO_BLOCKS if plan.preempted else self._admit(plan, num_free_slots)
+        preempt = sorted(plan.preempted.values(), key=lambda r: r.admitted_order)
+        return Decision(
+            release=_ids(release),
+            preempt=_ids(preempt),
+            admit=_ids(plan.admitted),
+            num_tokens=plan.num_tokens,
+            blocked=blocked if state.waiting or plan.preempted else "",
+        )
+
+    def _schedule_unlimited(self, state: SchedulerState, release: list[Request]) -> Decision:
+        """With unlimited blocks and budget nobody is preempted, every running request
+        processes all it has pending, and the free slots fill FCFS."""
         admit = state.waiting_head(state.num_free_slots() + len(release))
         blocked = NO_SLOT if len(state.waiting) > len(admit) else ""
         return Decision(release=_ids(release), admit=_ids(admit), blocked=blocked)
 
+    def _schedule_running(self, plan: _Plan, request: Request) -> None:
+        """Give a running request its tokens and blocks, preempting victims if blocks run out."""
+        num_tokens = plan.tokens_for(request, self.chunked_prefill or request.is_decoding)
+        if not num_tokens:
+            return
+        while not plan.has_blocks(request, num_tokens):
+            victim = self._victim(plan, request)
+            plan.preempt(victim)
+            if victim is request:
+                return
+        plan.schedule(request, num_tokens)
+
+    def _victim(self, plan: _Plan, request: Request) -> Request:
+        """The running request to preempt: never one already scheduled this step."""
+        candidates = [r for r in plan.state.running() if r.id not in plan.num_tokens and r.id not in plan.preempted]
+        if self.victim == "longest":
+            return max(candidates, key=lambda r: (r.num_computed, r.admitted_order))
+        return max(candidates, key=lambda r: r.admitted_order)
+
+    def _admit(self, plan: _Plan, num_free_slots: int) -> str:
+        """Admit waiting requests FCFS while slots, blocks and budget last; returns why the head waits."""
+        for request in plan.state.waiting:
+            if len(plan.admitted) == num_free_slots:
+                return NO_SLOT
+            num_tokens = plan.tokens_for(request, self.chunked_prefill)
+            if not num_tokens:
+                return NO_BUDGET
+            if not plan.has_blocks(request, num_tokens):
+                return NO_BLOCKS
+            plan.schedule(request, num_tokens)
+            plan.admitted.append(request)
+        return ""
+
+
+class _Plan:
+    """One step's schedule in the making: tokens, blocks and preemptions, before anything is applied."""
+
+    def __init__(self, state: SchedulerState, max_tokens_per_step: int | None, num_released_blocks: int):
+        self.state = state
+        self.budget = math.inf if max_tokens_per_step is None else max_tokens_per_step
+        self.free_blocks = state.num_free_blocks() + num_released_blocks
+        self.num_tokens: dict[int, int] = {}
+        self.preempted: dict[int, Request] = {}
+        self.admitted: list[Request] = []
+
+    def tokens_for(self, request: Request, may_split: bool) -> int:
+        """Tokens `request` can process within the budget left: all it has pending, a chunk
+        of them if it may split, or none."""
+        wanted = request.num_uncomputed
+        if wanted <= self.budget:
+            return wanted
+        return int(self.budget) if may_split else 0
+
+    def has_blocks(self, request: Request, num_tokens: int) -> bool:
+        return self.state.num_new_blocks(request, num_tokens) <= self.free_blocks
+
+    def schedule(self, request: Request, num_tokens: int) -> None:
+        self.free_blocks -= self.state.num_new_blocks(request, num_tokens)
+        self.budget -= num_tokens
+        self.num_tokens[request.id] = num_tokens
+
+    def preempt(self, request: Request) -> None:
+        self.free_blocks += len(request.block_table)
+        self.preempted[request.id] = request
+
 
 @dataclass(frozen=True, repr=False)
-class Static:
+class Static(_Policy):
     """Request-level batching: when the engine is idle, take up to `num_slots`
     waiting requests as one batch and run it until its longest request ends.
-    A finished request keeps its slot until then.
+    A finished request keeps its slot until then. With a finite pool, each admitted
+    request reserves the blocks for its whole length up front, as systems did before
+    paging, so a batch never runs out of memory mid-way.
 
     drop_finished: whether an engine skips a finished request's row. By default it
     still computes it, padded, as Hugging Face's `generate` does; slot occupancy (and so
     the simulator) is the same either way, only the engine's wall clock differs.
     """
 
-    num_slots: int
     drop_finished: bool = field(default=False, kw_only=True)
-
-    def __post_init__(self):
-        _check_num_slots(self.num_slots)
-
-    __repr__ = _short_repr
+    reserves_whole_length = True
 
     def schedule(self, state: SchedulerState) -> Decision:
         if state.running():
             return Decision(blocked=NO_SLOT if state.waiting else "")
-        release = _ids(state.finished_in_slots())
+        held = state.finished_in_slots()
         if not state.waiting:
-            return Decision(release=release)
+            return Decision(release=_ids(held))
         wake_at = self.batch_start_time(state)
         if wake_at > state.now:
-            return Decision(release=release, blocked=BATCH_FORMING, wake_at=wake_at)
-        admit = state.waiting_head(self.num_slots)
-        blocked = NO_SLOT if len(state.waiting) > len(admit) else ""
-        return Decision(release=release, admit=_ids(admit), blocked=blocked)
+            return Decision(release=_ids(held), blocked=BATCH_FORMING, wake_at=wake_at)
+        admit, blocked = self._batch(state, state.num_free_blocks() + sum(len(r.block_table) for r in held))
+        return Decision(release=_ids(held), admit=_ids(admit), blocked=blocked)
+
+    def _batch(self, state: SchedulerState, free_blocks: float) -> tuple[list[Request], str]:
+        """Up to `num_slots` waiting requests, FCFS, while their whole-length reservations fit."""
+        batch = []
+        for request in state.waiting_head(self.num_slots):
+            need = state.blocks.num_blocks_for(request.max_context_len) if state.blocks is not None else 0
+            if need > free_blocks:
+                return batch, NO_BLOCKS
+            free_blocks -= need
+            batch.append(request)
+        return batch, NO_SLOT if len(state.waiting) > len(batch) else ""
 
     def batch_start_time(self, state: SchedulerState) -> float:
         """When the waiting requests may start as a batch: at once."""

@@ -24,7 +24,7 @@ class FixedStepTime:
 
     step_time: float
 
-    def execute(self, state: SchedulerState, running: list[Request], num_steps: int, log: StepLog) -> float:
+    def execute(self, state: SchedulerState, scheduled: dict[Request, int], num_steps: int, log: StepLog) -> float:
         return self.step_time
 
 

@@ -9,7 +9,11 @@ Invariants:
 - `slots[s, k]` is the id of the request slot k works for at step s, or -1 when the
   slot is idle, including a finished request's slot that is still held;
 - step s starts at `step_start[s]` and lasts `step_seconds[s]`; steps never overlap;
-- a request that holds a slot at a step emits one token at the end of that step;
+- a scheduled request processes tokens in its slot at a step (a prefill, a chunk of one,
+  a recompute, or a decode); `num_emitted[s]` of them emit an output token at the end
+  of step s, and `num_tokens` counts the emitted tokens;
+- `num_preemptions` and `recomputed_tokens` count the work preemption threw away: the
+  cached tokens of each preempted request, which it computes again when readmitted;
 - per-request arrays are indexed by position in `trace`; -1 (steps) or NaN (times)
   means "not yet";
 - `prefill_tokens[s, k]` is how many prompt tokens slot k processed at step s (0 for a
@@ -20,13 +24,35 @@ Invariants:
 
 from __future__ import annotations
 
-from functools import cached_property
+from typing import NamedTuple
 
 import numpy as np
 
 from labkit.traffic import Trace
 
-_STEP_ARRAYS = ("slots", "num_queued", "blocked", "step_start", "step_seconds")
+
+
+def _per_step_array(compute):
+    """A read-only property computed once and kept until the log grows again."""
+
+    def cached(self):
+        if compute.__name__ not in self._arrays:
+            self._arrays[compute.__name__] = compute(self)
+        return self._arrays[compute.__name__]
+
+    return property(cached, doc=compute.__doc__)
+
+
+class _Segment(NamedTuple):
+    """`count` identical steps; `seconds` is one number or one per step."""
+
+    row: np.ndarray
+    count: int
+    num_queued: int
+    blocked: str
+    start: float
+    seconds: float | np.ndarray
+    num_emitted: int
 
 
 class StepLog:
@@ -38,9 +64,14 @@ class StepLog:
         self.policy = policy
         self.num_steps = 0
         self.num_tokens = 0
-        self._segments: list[tuple[np.ndarray, int, int, str, float, float]] = []
+        self.num_preemptions = 0
+        self.recomputed_tokens = 0
+        self.preemptions = np.zeros(len(trace), np.int64)
+        self._segments: list[_Segment] = []
+        self._arrays: dict[str, np.ndarray] = {}
         self._prefills: list[tuple[int, list[int], list[int]]] = []
         self._phases: dict[str, list[float]] = {}
+        self._kv_tokens: list[tuple[int, int, int]] = []
         self.outputs: dict[int, list[int]] = {}
         self.admit_step = np.full(len(trace), -1, np.int64)
         self.first_token_step = np.full(len(trace), -1, np.int64)
@@ -54,27 +85,48 @@ class StepLog:
 
     # Writing (back ends only)
 
-    def append(self, row: np.ndarray, count: int, num_queued: int, blocked: str, start: float, seconds: float):
-        """Record `count` identical steps: slot row, queue depth, why the head waits, timing."""
-        self._segments.append((row, count, num_queued, blocked, start, seconds))
+    def append(self, row, count, num_queued, blocked, start, seconds, num_emitted) -> None:
+        """Record `count` identical steps: who works in which slot, queue depth, why the head
+        waits, start time, seconds, and output tokens emitted per step."""
+        self._segments.append(_Segment(row, count, num_queued, blocked, start, seconds, num_emitted))
         self.num_steps += count
-        self.num_tokens += count * int(np.count_nonzero(row >= 0))
-        for name in (*_STEP_ARRAYS, "prefill_tokens"):
-            self.__dict__.pop(name, None)
+        self.num_tokens += count * num_emitted
+        if self._arrays:
+            self._arrays.clear()
+
+    def count_preemptions(self, requests) -> None:
+        """Record the preemption of `requests`, before their cached tokens are dropped."""
+        for request in requests:
+            self.num_preemptions += 1
+            self.recomputed_tokens += request.num_computed
+            self.preemptions[request.index] += 1
 
     def mark_prefills(self, step: int, slots: list[int], num_tokens: list[int]) -> None:
         """Record that each of `slots` processed its `num_tokens` prompt tokens at `step`."""
         self._prefills.append((step, slots, num_tokens))
-        self.__dict__.pop("prefill_tokens", None)
+        self._arrays.pop("prefill_tokens", None)
 
     def record_phases(self, **seconds: float) -> None:
         """Record where one measured step's time went, e.g. schedule=..., forward=...."""
         for phase, value in seconds.items():
             self._phases.setdefault(phase, []).append(value)
 
+    def record_kv_tokens(self, first: int, count: int = 1, growth: int = 0) -> None:
+        """Record the KV tokens attention reads in the next `count` steps: `first` in the
+        first, then `growth` more each step (one per decoding request)."""
+        self._kv_tokens.append((first, count, growth))
+
     # Per step
 
-    @cached_property
+    @property
+    def num_kv_tokens(self) -> np.ndarray:
+        """int [num_steps]: KV-cache tokens attention reads in the step, summed over requests.
+        Recorded by back ends that time steps by their work (the engine, a cost model)."""
+        if sum(count for _, count, _ in self._kv_tokens) != self.num_steps:
+            raise ValueError("this log has no KV reads: they are recorded by the engine and by simulate(cost=...)")
+        return np.concatenate([first + growth * np.arange(count) for first, count, growth in self._kv_tokens])
+
+    @_per_step_array
     def prefill_tokens(self) -> np.ndarray:
         """int [num_steps, num_slots]: prompt tokens processed per slot and step."""
         tokens = np.zeros((self.num_steps, self.num_slots), np.int64)
@@ -87,46 +139,63 @@ class StepLog:
         """Measured seconds per step and phase (engine runs only)."""
         return {phase: np.array(values) for phase, values in self._phases.items()}
 
-    @cached_property
+    @_per_step_array
     def slots(self) -> np.ndarray:
-        """int [num_steps, num_slots]: request id per slot and step, -1 when idle."""
+        """int [num_steps, num_slots]: id of the request each slot works for, -1 when idle."""
         if not self._segments:
             return np.empty((0, self.num_slots), np.int64)
-        rows = np.stack([segment[0] for segment in self._segments])
+        rows = np.array([segment.row for segment in self._segments], np.int64)
         return np.repeat(rows, self._counts(), axis=0)
 
-    @cached_property
+    @_per_step_array
     def num_queued(self) -> np.ndarray:
         """int [num_steps]: requests waiting during the step."""
-        return self._per_step(2, np.int64)
+        return self._per_step("num_queued", np.int64)
 
-    @cached_property
+    @_per_step_array
     def blocked(self) -> np.ndarray:
         """str [num_steps]: why the head of the queue was not admitted ("" if none waited)."""
-        return self._per_step(3, object)
+        return self._per_step("blocked", object)
 
-    @cached_property
+    @_per_step_array
+    def num_emitted(self) -> np.ndarray:
+        """int [num_steps]: output tokens emitted at the end of the step."""
+        return self._per_step("num_emitted", np.int64)
+
+    @property
+    def num_prefill_tokens(self) -> np.ndarray:
+        """int [num_steps]: prompt (and recompute) tokens processed in the step."""
+        return self.prefill_tokens.sum(axis=1)
+
+    @property
+    def num_decode_tokens(self) -> np.ndarray:
+        """int [num_steps]: decode tokens processed in the step, one per decoding request."""
+        return (self.slots >= 0).sum(axis=1) - (self.prefill_tokens > 0).sum(axis=1)
+
+    @_per_step_array
     def step_seconds(self) -> np.ndarray:
         """float [num_steps]: duration of each step."""
-        return self._per_step(5, np.float64)
+        if not self._segments:
+            return np.empty(0)
+        return np.concatenate([np.broadcast_to(s.seconds, s.count) for s in self._segments]).astype(np.float64)
 
-    @cached_property
+    @_per_step_array
     def step_start(self) -> np.ndarray:
         """float [num_steps]: start time of each step, in seconds on the trace's clock."""
-        counts = self._counts()
-        first = np.repeat([segment[4] for segment in self._segments], counts)
-        offset = np.arange(self.num_steps) - np.repeat(np.cumsum(counts) - counts, counts)
-        return first + offset * self.step_seconds
+        elapsed = np.cumsum(self.step_seconds) - self.step_seconds  # since the first step began
+        segment_first_step = np.cumsum(self._counts()) - self._counts()
+        since_segment_start = elapsed - np.repeat(elapsed[segment_first_step], self._counts())
+        return self._per_step("start", np.float64) + since_segment_start
 
     @property
     def step_end(self) -> np.ndarray:
         return self.step_start + self.step_seconds
 
     def _counts(self) -> np.ndarray:
-        return np.array([segment[1] for segment in self._segments], np.int64)
+        return np.array([segment.count for segment in self._segments], np.int64)
 
-    def _per_step(self, field: int, dtype) -> np.ndarray:
-        values = np.array([segment[field] for segment in self._segments], dtype)
+    def _per_step(self, field: str, dtype) -> np.ndarray:
+        values = np.array([getattr(segment, field) for segment in self._segments], dtype)
         return np.repeat(values, self._counts())
 
     # Aggregates

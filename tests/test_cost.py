@@ -1,0 +1,169 @@
+"""CostModel: step time from the work in a step, and fitting it to measured steps."""
+
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from labkit.sched.cost import CostFit, CostModel
+
+TRUTH = CostModel(overhead=2e-3, per_prefill_token=1e-4, per_decode_token=3e-4, per_kv_token=2e-7)
+
+
+def synthetic_steps(num_steps=120, seed=0, prefill=True):
+    """(prefill, decode, kv) token counts of plausible steps: prefill in about a third."""
+    rng = np.random.default_rng(seed)
+    has_prefill = rng.random(num_steps) < 0.3 if prefill else np.zeros(num_steps, bool)
+    num_prefill = rng.integers(1, 256, num_steps) * has_prefill
+    num_decode = rng.integers(1, 9, num_steps)
+    num_kv = rng.integers(0, 4000, num_steps)
+    return num_prefill, num_decode, num_kv
+
+
+def coefficients(model):
+    return [model.overhead, model.per_prefill_token, model.per_decode_token, model.per_kv_token]
+
+
+# step_seconds
+
+
+def test_step_seconds_on_hand_numbers():
+    model = CostModel(overhead=1.0, per_prefill_token=0.5, per_decode_token=0.25, per_kv_token=0.125)
+    assert model.step_seconds(4, 2, 8) == 1.0 + 2.0 + 0.5 + 1.0
+    assert model.step_seconds(0, 0, 0) == 1.0
+    assert isinstance(model.step_seconds(4, 2, 8), float)
+
+
+def test_step_seconds_is_vectorised():
+    model = CostModel(overhead=1.0, per_prefill_token=0.5, per_decode_token=0.25, per_kv_token=0.125)
+    seconds = model.step_seconds(np.array([4, 0, 2]), np.array([2, 4, 0]), np.array([8, 0, 16]))
+    assert seconds.shape == (3,)
+    assert seconds.tolist() == [4.5, 2.0, 4.0]
+
+
+def test_default_model_prices_a_decode_step_in_milliseconds():
+    assert 1e-3 < CostModel().step_seconds(0, 4, 1000) < 0.1
+
+
+# validation
+
+
+@pytest.mark.parametrize("field", ["overhead", "per_prefill_token", "per_decode_token", "per_kv_token"])
+@pytest.mark.parametrize("value", [-1e-4, math.nan, math.inf, "0.1", True])
+def test_bad_coefficient_is_named(field, value):
+    with pytest.raises(ValueError, match=field):
+        CostModel(**{field: value})
+
+
+def test_zero_coefficients_are_allowed():
+    assert CostModel(0, 0, 0, 0).step_seconds(10, 10, 10) == 0.0
+
+
+def test_fit_rejects_mismatched_lengths():
+    prefill, decode, kv = synthetic_steps(20)
+    with pytest.raises(ValueError, match="differ in length"):
+        CostModel.fit_arrays(prefill, decode[:-1], kv, TRUTH.step_seconds(prefill, decode, kv))
+
+
+def test_fit_rejects_too_few_steps():
+    prefill, decode, kv = synthetic_steps(7)
+    with pytest.raises(ValueError, match="at least 8"):
+        CostModel.fit_arrays(prefill, decode, kv, TRUTH.step_seconds(prefill, decode, kv))
+
+
+def test_fit_names_the_array_with_nan():
+    prefill, decode, kv = synthetic_steps(20)
+    seconds = TRUTH.step_seconds(prefill, decode, kv)
+    seconds[3] = np.nan
+    with pytest.raises(ValueError, match="seconds has NaN"):
+        CostModel.fit_arrays(prefill, decode, kv, seconds)
+
+
+def test_fit_names_the_array_with_negative_values():
+    prefill, decode, kv = synthetic_steps(20)
+    seconds = TRUTH.step_seconds(prefill, decode, kv)
+    with pytest.raises(ValueError, match="num_kv_tokens has negative"):
+        CostModel.fit_arrays(prefill, decode, -kv - 1, seconds)
+
+
+@pytest.mark.parametrize("holdout", [0.0, 1.0, 0.9])
+def test_fit_rejects_a_holdout_that_leaves_nothing_to_train_or_test(holdout):
+    prefill, decode, kv = synthetic_steps(10)
+    with pytest.raises(ValueError, match="holdout"):
+        CostModel.fit_arrays(prefill, decode, kv, TRUTH.step_seconds(prefill, decode, kv), holdout=holdout)
+
+
+# fitting
+
+
+def test_fit_recovers_known_coefficients_from_noiseless_steps():
+    prefill, decode, kv = synthetic_steps()
+    fit = CostModel.fit_arrays(prefill, decode, kv, TRUTH.step_seconds(prefill, decode, kv))
+    np.testing.assert_allclose(coefficients(fit.model), coefficients(TRUTH), rtol=1e-9)
+    assert (fit.num_train, fit.num_test) == (90, 30)
+    assert fit.mean_abs_error < 1e-12
+    assert fit.relative_error < 1e-9
+    assert fit.r2 == pytest.approx(1.0)
+
+
+def test_fit_recovers_known_coefficients_closely_from_noisy_steps():
+    prefill, decode, kv = synthetic_steps(2000)
+    noise = np.random.default_rng(1).normal(0, 2e-4, len(kv))
+    fit = CostModel.fit_arrays(prefill, decode, kv, TRUTH.step_seconds(prefill, decode, kv) + noise)
+    np.testing.assert_allclose(coefficients(fit.model), coefficients(TRUTH), rtol=0.1)
+    assert fit.relative_error < 0.1
+    assert fit.r2 > 0.95
+
+
+def test_fit_keeps_coefficients_nonnegative_where_plain_least_squares_goes_negative():
+    truth = CostModel(overhead=2e-3, per_prefill_token=1e-4, per_decode_token=0.0, per_kv_token=3e-7)
+    prefill, decode, kv = synthetic_steps(40, seed=3)
+    seconds = truth.step_seconds(prefill, decode, kv) + np.random.default_rng(3).normal(0, 5e-4, 40)
+    plain, *_ = np.linalg.lstsq(np.column_stack([np.ones(40), prefill, decode, kv]), seconds, rcond=None)
+    assert plain[2] < 0  # the data really tempt an unconstrained fit below zero
+    fit = CostModel.fit_arrays(prefill, decode, kv, seconds)
+    assert min(coefficients(fit.model)) >= 0
+    assert fit.model.per_decode_token == 0.0
+    assert fit.model.per_prefill_token == pytest.approx(1e-4, rel=0.2)
+
+
+def test_fit_gives_an_all_zero_column_a_zero_coefficient():
+    prefill, decode, kv = synthetic_steps(prefill=False)
+    fit = CostModel.fit_arrays(prefill, decode, kv, TRUTH.step_seconds(prefill, decode, kv))
+    assert fit.model.per_prefill_token == 0.0
+    np.testing.assert_allclose(coefficients(fit.model)[2:], coefficients(TRUTH)[2:], rtol=1e-9)
+    assert fit.mean_abs_error < 1e-12
+
+
+def test_fit_split_is_seeded():
+    prefill, decode, kv = synthetic_steps(60)
+    seconds = TRUTH.step_seconds(prefill, decode, kv) + np.random.default_rng(2).normal(0, 2e-4, 60)
+    assert CostModel.fit_arrays(prefill, decode, kv, seconds, seed=5) == CostModel.fit_arrays(
+        prefill, decode, kv, seconds, seed=5
+    )
+    assert CostModel.fit_arrays(prefill, decode, kv, seconds, seed=5) != CostModel.fit_arrays(
+        prefill, decode, kv, seconds, seed=6
+    )
+
+
+def test_fit_reads_a_step_log():
+    prefill, decode, kv = synthetic_steps(40)
+    log = SimpleNamespace(
+        num_steps=40, num_prefill_tokens=prefill, num_decode_tokens=decode, num_kv_tokens=kv,
+        step_seconds=TRUTH.step_seconds(prefill, decode, kv),
+    )
+    fit = CostModel.fit(log, holdout=0.5, seed=1)
+    assert isinstance(fit, CostFit)
+    assert (fit.num_train, fit.num_test) == (20, 20)
+    np.testing.assert_allclose(coefficients(fit.model), coefficients(TRUTH), rtol=1e-9)
+
+
+def test_fit_summary_states_the_held_out_error():
+    prefill, decode, kv = synthetic_steps(2000)
+    noise = np.random.default_rng(1).normal(0, 2e-4, len(kv))
+    fit = CostModel.fit_arrays(prefill, decode, kv, TRUTH.step_seconds(prefill, decode, kv) + noise)
+    summary = str(fit)
+    assert summary.startswith("CostModel fit on 1500 steps, held-out error ")
+    assert f"{fit.relative_error:.1%}" in summary
+    assert "MAE" in summary and "R²" in summary
