@@ -7,11 +7,12 @@ Importing labkit loads numpy only; `labkit.viz` loads plotly and ipywidgets when
 import importlib
 
 from labkit import theory
-from labkit.sched import Continuous, Decision, Dynamic, SchedulerState, Static, StepLog, metrics, simulate
+from labkit.sched import Continuous, CostModel, Decision, Dynamic, SchedulerState, Static, StepLog, metrics, simulate
 from labkit.traffic import Trace
 
 __all__ = [
     "Continuous",
+    "CostModel",
     "Decision",
     "Dynamic",
     "SchedulerState",

@@ -6,6 +6,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+import labkit as lk
 from labkit.sched.cost import CostFit, CostModel
 
 TRUTH = CostModel(overhead=2e-3, per_prefill_token=1e-4, per_decode_token=3e-4, per_kv_token=2e-7)
@@ -167,3 +168,42 @@ def test_fit_summary_states_the_held_out_error():
     assert summary.startswith("CostModel fit on 1500 steps, held-out error ")
     assert f"{fit.relative_error:.1%}" in summary
     assert "MAE" in summary and "R²" in summary
+
+
+# The cost model inside the simulator ------------------------------------------------------
+
+
+KNOWN = CostModel(overhead=2e-3, per_prefill_token=5e-5, per_decode_token=4e-4, per_kv_token=1e-6)
+ARRIVING = lk.Trace.sample(60, output="exponential", mean_output=12, mean_prompt=30, rate=40.0, seed=5)
+BUDGETED = lk.Continuous(num_slots=6, num_blocks=40, block_size=8, max_tokens_per_step=48, chunked_prefill=True)
+
+
+def test_simulated_steps_last_what_the_cost_model_says_for_their_work():
+    log = lk.simulate(ARRIVING, BUDGETED, cost=KNOWN)
+    predicted = KNOWN.step_seconds(log.num_prefill_tokens, log.num_decode_tokens, log.num_kv_tokens)
+    np.testing.assert_allclose(log.step_seconds, predicted)
+    assert log.num_prefill_tokens.sum() == (1 + ARRIVING.prompt_lengths).sum() + log.recomputed_tokens + log.num_preemptions
+
+
+def test_cost_model_runs_give_the_same_log_step_by_step():
+    jumped = lk.simulate(ARRIVING, lk.Continuous(num_slots=6), cost=KNOWN)
+    stepped = lk.simulate(ARRIVING, lk.Continuous(num_slots=6), cost=KNOWN, on_step=lambda log: None)
+    assert jumped.slots.tolist() == stepped.slots.tolist()
+    np.testing.assert_allclose(jumped.step_start, stepped.step_start)
+
+
+def test_fit_recovers_the_model_that_timed_a_simulation():
+    fit = CostModel.fit(lk.simulate(ARRIVING, BUDGETED, cost=KNOWN))
+    for name in ("overhead", "per_prefill_token", "per_decode_token", "per_kv_token"):
+        assert getattr(fit.model, name) == pytest.approx(getattr(KNOWN, name), rel=1e-6)
+    assert fit.relative_error < 1e-9
+
+
+def test_fixed_step_logs_have_no_kv_reads_to_fit():
+    with pytest.raises(ValueError, match="this log has no KV reads"):
+        CostModel.fit(lk.simulate(ARRIVING, lk.Continuous(num_slots=6)))
+
+
+def test_simulate_refuses_a_cost_that_is_not_a_cost_model():
+    with pytest.raises(ValueError, match="cost = 0.01: must be a labkit.CostModel"):
+        lk.simulate(ARRIVING, BUDGETED, cost=0.01)

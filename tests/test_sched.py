@@ -254,3 +254,129 @@ def test_fast_forward_comparison_can_fail_for_a_policy_that_breaks_the_event_rul
     stepped = lk.simulate(trace, EvenStepsOnly(num_slots=2), on_step=lambda log: None)
     jumped = lk.simulate(trace, EvenStepsOnly(num_slots=2))
     assert stepped.slots.tolist() != jumped.slots.tolist()
+
+
+# Admission beyond slots: blocks, budget, chunking, preemption ------------------------------
+
+LONG_PROMPTS = lk.Trace.from_lengths([4, 4, 4, 4], prompt_lengths=[9, 2, 30, 2])
+
+
+def test_admission_waits_for_blocks_and_says_so():
+    # 2 free slots, but request 2's prompt needs 3 of the 4 blocks of 8 tokens.
+    log = lk.simulate(LONG_PROMPTS, lk.Continuous(num_slots=4, num_blocks=5, block_size=8))
+    assert log.admit_step.tolist()[:3] == [0, 0, 4]
+    assert log.blocked.tolist()[0] == "no_blocks"
+    assert (log.slots[:4] >= 0).sum(axis=1).tolist() == [2, 2, 2, 2]  # idle slots while the queue waits
+
+
+def test_admission_waits_for_token_budget_and_says_so():
+    log = lk.simulate(LONG_PROMPTS, lk.Continuous(num_slots=4, max_tokens_per_step=32))
+    assert log.blocked.tolist()[0] == "no_budget"
+    assert log.prefill_tokens[0].tolist() == [10, 3, 0, 0]  # 13 tokens; request 2's 31 do not fit beside them
+    # Two decodes leave 30: request 2 waits until both finish, and request 3, which would fit, waits behind it.
+    assert log.admit_step.tolist() == [0, 0, 4, 5]
+
+
+def test_chunked_prefill_splits_a_long_prompt_and_emits_only_when_it_completes():
+    log = lk.simulate(lk.Trace.from_lengths([3], prompt_lengths=[9]), lk.Continuous(1, max_tokens_per_step=4,
+                                                                                  chunked_prefill=True))
+    assert log.prefill_tokens[:, 0].tolist() == [4, 4, 2, 0, 0]
+    assert log.num_emitted.tolist() == [0, 0, 1, 1, 1]
+    assert log.first_token_step.tolist() == [2]
+
+
+def test_preemption_puts_the_newest_back_and_recomputes_it():
+    trace = lk.Trace.from_lengths([6, 6], prompt_lengths=[3, 3])
+    log = lk.simulate(trace, lk.Continuous(num_slots=2, num_blocks=4, block_size=4))
+    # Both hold 1 block after prefill (4 tokens) and a second from their first decode; at
+    # step 5 request 0 needs a third. The newest, 1, yields its 8 cached tokens; it returns
+    # at step 6 and recomputes them plus its 5th output (9 tokens), which emits its 6th.
+    assert log.num_preemptions == 1 and log.preemptions.tolist() == [0, 1]
+    assert log.recomputed_tokens == 8
+    assert log.finish_step.tolist() == [5, 6]
+    assert log.prefill_tokens[6].tolist() == [9, 0]
+    assert (log.num_emitted.sum(), log.num_tokens) == (12, 12)
+
+
+def test_static_reserves_whole_lengths_so_fewer_requests_fit():
+    trace = lk.Trace.from_lengths([30] * 4, prompt_lengths=[1] * 4)  # 31 tokens each at most: 4 blocks of 8
+    static = lk.simulate(trace, lk.Static(num_slots=4, num_blocks=8, block_size=8))
+    paged = lk.simulate(trace, lk.Continuous(num_slots=4, num_blocks=8, block_size=8))
+    assert (static.slots[0] >= 0).sum() == 2  # two whole-length reservations fill the pool
+    assert (paged.slots[0] >= 0).sum() == 4  # paging admits all four, growing block by block
+
+
+@pytest.mark.parametrize(
+    "policy, message",
+    [
+        (lk.Continuous(2, num_blocks=3, block_size=4), "request 0: prompt 10 \\+ output 5 tokens need 4 blocks of 4"),
+        (lk.Continuous(2, max_tokens_per_step=8), "request 0: its prompt can take 11 tokens in one step"),
+        (lk.Continuous(2, num_blocks=20, max_tokens_per_step=12),
+         "request 0: its prompt plus outputs to recompute after a preemption can take 15 tokens"),
+        (lk.Static(2, num_blocks=3, block_size=4), "more than the whole pool of num_blocks = 3"),
+    ],
+)
+def test_requests_that_can_never_fit_are_refused_before_any_work(policy, message):
+    with pytest.raises(ValueError, match=message):
+        lk.simulate(lk.Trace.from_lengths([5], prompt_lengths=[10]), policy)
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: lk.Continuous(2, num_blocks=0), "num_blocks = 0: must be a whole number >= 1 or None"),
+        (lambda: lk.Continuous(2, block_size=2.5), "block_size = 2.5"),
+        (lambda: lk.Continuous(2, max_tokens_per_step=0), "max_tokens_per_step = 0"),
+        (lambda: lk.Continuous(2, chunked_prefill="yes"), "chunked_prefill = 'yes': must be True or False"),
+        (lambda: lk.Continuous(2, victim="oldest"), "victim = 'oldest': choose one of"),
+    ],
+)
+def test_bad_knobs_name_the_field_and_value(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+@st.composite
+def knobs(draw):
+    return lk.Continuous(
+        draw(st.integers(1, 5)),
+        num_blocks=draw(st.one_of(st.none(), st.integers(8, 40))),
+        block_size=draw(st.integers(1, 6)),
+        max_tokens_per_step=draw(st.one_of(st.none(), st.integers(1, 40))),
+        chunked_prefill=draw(st.booleans()),
+        victim=draw(st.sampled_from(["newest", "longest"])),
+    )
+
+
+@st.composite
+def prompted_traces(draw):
+    num_requests = draw(st.integers(1, 12))
+    lengths = draw(st.lists(st.integers(1, 12), min_size=num_requests, max_size=num_requests))
+    prompts = draw(st.lists(st.integers(0, 12), min_size=num_requests, max_size=num_requests))
+    gaps = draw(st.lists(st.sampled_from([0.0, 0.05, 0.3]), min_size=num_requests, max_size=num_requests))
+    return lk.Trace.from_lengths(lengths, prompt_lengths=prompts, arrivals=np.cumsum(gaps))
+
+
+@settings(max_examples=80, deadline=None)
+@given(trace=prompted_traces(), policy=knobs())
+def test_with_every_knob_each_request_emits_exactly_its_length(trace, policy):
+    try:
+        jumped = lk.simulate(trace, policy, step_time=0.1)
+    except ValueError:  # a request that can never fit this policy is refused up front
+        return
+    stepped = lk.simulate(trace, policy, step_time=0.1, on_step=lambda log: None)
+    assert jumped.slots.tolist() == stepped.slots.tolist()
+    assert jumped.num_tokens == stepped.num_tokens == trace.output_lengths.sum()
+    assert (jumped.finish_step >= 0).all()
+    # a recompute processes the cached tokens again, plus the last output, never fed before
+    assert jumped.prefill_tokens.sum() == (1 + trace.prompt_lengths).sum() + jumped.recomputed_tokens + jumped.num_preemptions
+    if policy.max_tokens_per_step is not None:
+        assert (jumped.num_prefill_tokens + jumped.num_decode_tokens).max() <= policy.max_tokens_per_step
+
+
+@settings(max_examples=40, deadline=None)
+@given(trace=prompted_traces(), num_slots=st.integers(1, 5))
+def test_limits_that_never_bind_change_nothing(trace, num_slots):
+    plain = lk.simulate(trace, lk.Continuous(num_slots), step_time=0.1)
+    roomy = lk.Continuous(num_slots, num_blocks=10_000, max_tokens_per_step=10_000)
+    assert lk.simulate(trace, roomy, step_time=0.1).slots.tolist() == plain.slots.tolist()

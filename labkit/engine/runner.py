@@ -137,8 +137,8 @@ class _TorchSteps:
     cache: PagedKVCache
     policy: object
     trace: Trace
-    step_time: None = None  # measured, not fixed: the driver runs one step at a time
     sequences: dict[int, list[int]] = field(default_factory=dict)
+    plans_ahead = False  # step times are measured, so the driver runs one step at a time
     progress: object = None
     _last_step_end: float | None = None
 

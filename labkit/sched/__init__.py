@@ -2,6 +2,7 @@
 
 from labkit.sched import metrics
 from labkit.sched.blocks import BlockPool
+from labkit.sched.cost import CostFit, CostModel
 from labkit.sched.driver import drive
 from labkit.sched.policy import Continuous, Decision, Dynamic, Static
 from labkit.sched.simulator import DEFAULT_STEP_TIME, simulate
@@ -10,6 +11,8 @@ from labkit.sched.steplog import StepLog
 
 __all__ = [
     "BlockPool",
+    "CostFit",
+    "CostModel",
     "Continuous",
     "DEFAULT_STEP_TIME",
     "Decision",

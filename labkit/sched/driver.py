@@ -40,13 +40,17 @@ from labkit.sched.state import Request, SchedulerState
 from labkit.sched.steplog import StepLog
 from labkit.traffic import Trace
 
-_TOLERANCE = 1e-6  # of a step: clock arithmetic slack when comparing times
+_TIME_SLACK = 1e-9  # seconds: clock arithmetic slack when comparing times
 
 
 class Backend(Protocol):
-    """Executes steps. `step_time` is the fixed duration of a step, or None if measured."""
+    """Executes steps. One that `plans_ahead` knows their durations in advance, and may
+    be given many steps at once; one that does not (the engine) measures them, one by one."""
 
-    step_time: float | None
+    plans_ahead: bool
+
+    def plan_seconds(self, scheduled: dict[Request, int], num_steps: int):
+        """The seconds of the next `num_steps` steps: a number if all are equal, else one per step."""
 
     def execute(self, state: SchedulerState, scheduled: dict[Request, int], num_steps: int, log: StepLog):
         """Run `num_steps` steps in which each scheduled request processes its number of
@@ -73,10 +77,9 @@ def drive(
     pending = deque(sorted(requests, key=lambda r: (r.arrival, r.index)))
     state.now = pending[0].arrival
     log = StepLog(trace, policy.num_slots, repr(policy))
-    eps = _TOLERANCE * (backend.step_time or 0.0)
     num_unfinished = len(requests)
     while num_unfinished:
-        _arrive(pending, state, eps)
+        _arrive(pending, state)
         decision = policy.schedule(state)
         if decision.preempt:
             log.count_preemptions([state.by_id[i] for i in decision.preempt])
@@ -89,10 +92,10 @@ def drive(
             if not (decision.preempt or decision.release):  # else the policy may decide anew at once
                 state.now = _idle_until(state, pending, decision, policy)
             continue
-        if on_step or backend.step_time is None or not _repeats(decision, scheduled):
+        if on_step or not backend.plans_ahead or not _repeats(decision, scheduled):
             num_steps = 1
         else:
-            num_steps = _steps_until_event(state, scheduled, pending, decision, backend.step_time)
+            num_steps = _steps_until_event(state, scheduled, pending, decision, backend)
         state.grow(scheduled, num_steps)
         seconds = backend.execute(state, scheduled, num_steps, log)
         num_unfinished -= _record(state, scheduled, num_steps, seconds, log, decision)
@@ -129,8 +132,8 @@ def _repeats(decision: Decision, scheduled: dict[Request, int]) -> bool:
     return decision.blocked != NO_BUDGET or all(r.is_decoding for r in scheduled)
 
 
-def _arrive(pending: deque[Request], state: SchedulerState, eps: float) -> None:
-    while pending and pending[0].arrival <= state.now + eps:
+def _arrive(pending: deque[Request], state: SchedulerState) -> None:
+    while pending and pending[0].arrival <= state.now + _TIME_SLACK:
         state.waiting.append(pending.popleft())
 
 
@@ -148,17 +151,21 @@ def _idle_until(state: SchedulerState, pending: deque[Request], decision: Decisi
     return min(wakes)
 
 
-def _steps_until_event(state, scheduled: dict[Request, int], pending, decision: Decision, step_time: float) -> int:
+def _steps_until_event(state, scheduled: dict[Request, int], pending, decision: Decision, backend: Backend) -> int:
     """Plain decode steps the decision holds for: until a request finishes, one arrives, the
     policy wakes, or the free blocks might not cover the requests' growth. The first of them
     may complete prefills."""
-    count = min([r.output_len - r.num_generated for r in scheduled])
-    for moment in (pending[0].arrival if pending else None, decision.wake_at):
-        if moment is not None and moment > state.now + _TOLERANCE * step_time:
-            count = min(count, math.ceil((moment - state.now) / step_time - _TOLERANCE))
+    count = min(r.output_len - r.num_generated for r in scheduled)
     if state.blocks is not None:
         count = min(count, _steps_within_free_blocks(state.blocks, scheduled))
-    return count
+    moments = [m for m in (pending[0].arrival if pending else None, decision.wake_at) if m is not None]
+    if not moments:
+        return count
+    planned = backend.plan_seconds(scheduled, count)
+    wait = min(moments) - state.now - _TIME_SLACK
+    if np.ndim(planned) == 0:
+        return max(1, min(count, math.ceil(wait / planned)))
+    return max(1, min(count, int(np.searchsorted(np.cumsum(planned), wait)) + 1))
 
 
 def _steps_within_free_blocks(blocks: BlockPool, scheduled: dict[Request, int]) -> int:

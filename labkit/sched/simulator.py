@@ -1,8 +1,10 @@
 """The step simulator: the "predict" back end.
 
-Every step lasts `step_time` seconds (a cost model can replace this later), and the
-simulator does no work per step: `drive` (labkit.sched.driver) runs each decision until
-the next event in one go. Scheduling rules and invariants are the driver's.
+A step lasts `step_time` seconds, or, given a `CostModel`, as long as the model says for
+the work in it (prompt tokens, decode tokens, KV tokens read). The simulator computes
+nothing per step: `drive` (labkit.sched.driver) runs each decision until the next event
+in one go, asking the back end for the planned step durations. Scheduling rules and
+invariants are the driver's.
 """
 
 from __future__ import annotations
@@ -10,6 +12,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
+
+from labkit.sched.cost import CostModel
 from labkit.sched.driver import drive
 from labkit.sched.state import Request, SchedulerState
 from labkit.sched.steplog import StepLog
@@ -23,9 +28,44 @@ class FixedStepTime:
     """A back end whose steps take `step_time` seconds and compute nothing."""
 
     step_time: float
+    plans_ahead = True
+
+    def plan_seconds(self, scheduled: dict[Request, int], num_steps: int) -> float:
+        return self.step_time
 
     def execute(self, state: SchedulerState, scheduled: dict[Request, int], num_steps: int, log: StepLog) -> float:
         return self.step_time
+
+
+@dataclass(frozen=True)
+class ModeledStepTime:
+    """A back end whose steps take what `cost` predicts for their work, and compute nothing.
+
+    Over a run of steps the first processes each request's scheduled tokens and the rest
+    are plain decodes, so the KV tokens read grow by one per request and step.
+    """
+
+    cost: CostModel
+    plans_ahead = True
+
+    def plan_seconds(self, scheduled: dict[Request, int], num_steps: int) -> np.ndarray:
+        num_prefill, num_decode, num_kv = _first_step_work(scheduled)
+        kv = num_kv + len(scheduled) * np.arange(num_steps)  # (num_steps,)
+        seconds = self.cost.step_seconds(0, len(scheduled), kv)
+        seconds[0] = self.cost.step_seconds(num_prefill, num_decode, num_kv)
+        return seconds
+
+    def execute(self, state: SchedulerState, scheduled: dict[Request, int], num_steps: int, log: StepLog):
+        log.record_kv_tokens(_first_step_work(scheduled)[2], num_steps, len(scheduled))
+        return self.plan_seconds(scheduled, num_steps)
+
+
+def _first_step_work(scheduled: dict[Request, int]) -> tuple[int, int, int]:
+    """Prompt (or recompute) tokens, decode tokens, and KV tokens read in the next step."""
+    num_prefill = sum(n for r, n in scheduled.items() if not r.is_decoding)
+    num_decode = sum(1 for r in scheduled if r.is_decoding)
+    num_kv = sum(r.num_computed + n for r, n in scheduled.items())
+    return num_prefill, num_decode, num_kv
 
 
 def simulate(
@@ -33,8 +73,15 @@ def simulate(
     policy,
     step_time: float = DEFAULT_STEP_TIME,
     on_step: Callable[[StepLog], None] | None = None,
+    cost: CostModel | None = None,
 ) -> StepLog:
-    """Predict how `policy` serves `trace`; `on_step(log)` is called after every step if given."""
+    """Predict how `policy` serves `trace`; `on_step(log)` is called after every step if given.
+
+    Steps take `step_time` seconds each, or what `cost` predicts for their work if given.
+    """
     if isinstance(step_time, bool) or not isinstance(step_time, (int, float)) or not step_time > 0:
         raise ValueError(f"step_time = {step_time!r}: must be a number of seconds > 0")
-    return drive(trace, policy, FixedStepTime(step_time), on_step)
+    if cost is not None and not isinstance(cost, CostModel):
+        raise ValueError(f"cost = {cost!r}: must be a labkit.CostModel or None")
+    backend = FixedStepTime(step_time) if cost is None else ModeledStepTime(cost)
+    return drive(trace, policy, backend, on_step)
