@@ -43,3 +43,12 @@ def test_summary_and_table(toy_continuous):
     text = metrics.table({"continuous": toy_continuous})
     assert text.splitlines()[1].split() == ["steps", "17"]
     assert "94.118" in text
+
+
+def test_goodput_counts_requests_that_meet_every_slo(toy_continuous):
+    # step_time 1: TTFT [1, 1, 3, 6, 7, 9, 13, 14], latency [2, 6, 5, 13, 8, 12, 17, 15], TPOT 1 each
+    assert metrics.meets_slos(toy_continuous, ttft=6).tolist() == [True] * 4 + [False] * 4
+    assert metrics.meets_slos(toy_continuous, ttft=6, e2e=5).tolist() == [True, False, True] + [False] * 5
+    assert metrics.meets_slos(toy_continuous, tpot=0.5).sum() == 0
+    assert metrics.goodput(toy_continuous, ttft=6) == 4 / 17
+    assert metrics.goodput(toy_continuous) == 8 / 17

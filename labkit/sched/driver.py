@@ -202,7 +202,8 @@ def _record(state: SchedulerState, scheduled: dict[Request, int], count: int, se
         if generated == request.output_len:
             finishing.append(request.index)
     num_emitted = len(scheduled) - num_chunks
-    log.append(tuple(row), count, len(state.waiting), decision.blocked, state.now, seconds, num_emitted)
+    num_blocks_used = state.blocks.num_blocks - state.blocks.num_free_blocks if state.blocks is not None else 0
+    log.append(tuple(row), count, len(state.waiting), decision.blocked, state.now, seconds, num_emitted, num_blocks_used)
     if prefills:
         log.mark_prefills(state.num_steps, *map(list, zip(*prefills)))
     if starting:

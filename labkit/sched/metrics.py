@@ -4,6 +4,8 @@
 - ITL pools every gap between consecutive tokens of the same request.
 - TPOT is (latency - TTFT) / (output_len - 1) per request, averaged over requests
   with at least two tokens.
+- Goodput is the number of requests that meet every given SLO, divided by the run's
+  duration.
 
 Invariant: these are pure functions of a finished StepLog; nothing here writes to it.
 """
@@ -32,8 +34,27 @@ def itl(log: StepLog) -> np.ndarray:
 
 def tpot(log: StepLog) -> np.ndarray:
     """Per request with two or more tokens: (latency - TTFT) / (output_len - 1), in s."""
-    several = log.trace.output_lengths > 1
-    return (log.latency - log.ttft)[several] / (log.trace.output_lengths[several] - 1)
+    return _tpot_per_request(log)[log.trace.output_lengths > 1]
+
+
+def _tpot_per_request(log: StepLog) -> np.ndarray:
+    """TPOT of every request; 0 for a one-token request, which has no gap to measure."""
+    gaps = np.maximum(log.trace.output_lengths - 1, 1)
+    return (log.latency - log.ttft) / gaps
+
+
+def meets_slos(log: StepLog, ttft: float | None = None, tpot: float | None = None, e2e: float | None = None):
+    """bool per request: whether it met every SLO given, in seconds (TTFT, TPOT, latency)."""
+    met = np.ones(len(log.trace), bool)
+    for limit, values in ((ttft, log.ttft), (tpot, _tpot_per_request(log)), (e2e, log.latency)):
+        if limit is not None:
+            met &= values <= limit
+    return met
+
+
+def goodput(log: StepLog, ttft: float | None = None, tpot: float | None = None, e2e: float | None = None) -> float:
+    """Requests per second that met every SLO given (TTFT, TPOT, end-to-end latency, in s)."""
+    return float(meets_slos(log, ttft, tpot, e2e).sum() / log.duration)
 
 
 def percentile(values: np.ndarray, q: float) -> float:

@@ -53,6 +53,7 @@ class _Segment(NamedTuple):
     start: float
     seconds: float | np.ndarray
     num_emitted: int
+    num_blocks_used: int
 
 
 class StepLog:
@@ -85,10 +86,10 @@ class StepLog:
 
     # Writing (back ends only)
 
-    def append(self, row, count, num_queued, blocked, start, seconds, num_emitted) -> None:
+    def append(self, row, count, num_queued, blocked, start, seconds, num_emitted, num_blocks_used=0) -> None:
         """Record `count` identical steps: who works in which slot, queue depth, why the head
-        waits, start time, seconds, and output tokens emitted per step."""
-        self._segments.append(_Segment(row, count, num_queued, blocked, start, seconds, num_emitted))
+        waits, start time, seconds, output tokens emitted per step, and KV blocks held."""
+        self._segments.append(_Segment(row, count, num_queued, blocked, start, seconds, num_emitted, num_blocks_used))
         self.num_steps += count
         self.num_tokens += count * num_emitted
         if self._arrays:
@@ -156,6 +157,13 @@ class StepLog:
     def blocked(self) -> np.ndarray:
         """str [num_steps]: why the head of the queue was not admitted ("" if none waited)."""
         return self._per_step("blocked", object)
+
+    @_per_step_array
+    def num_blocks_used(self) -> np.ndarray:
+        """int [num_steps]: KV blocks held by requests during the step (0 without a pool).
+        Blocks are taken just before the steps that write to them, so within a run of
+        identical steps this is the count at its end."""
+        return self._per_step("num_blocks_used", np.int64)
 
     @_per_step_array
     def num_emitted(self) -> np.ndarray:
