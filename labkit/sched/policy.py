@@ -165,12 +165,13 @@ class Continuous(_Policy):
         num_tokens = plan.tokens_for(request, self.chunked_prefill or request.is_decoding)
         if not num_tokens:
             return
-        while not plan.has_blocks(request, num_tokens):
+        num_new_blocks = plan.state.num_new_blocks(request, num_tokens)
+        while num_new_blocks > plan.free_blocks:
             victim = self._victim(plan, request)
             plan.preempt(victim)
             if victim is request:
                 return
-        plan.schedule(request, num_tokens)
+        plan.schedule(request, num_tokens, num_new_blocks)
 
     def _victim(self, plan: _Plan, request: Request) -> Request:
         """The running request to preempt: never one already scheduled this step."""
@@ -187,9 +188,10 @@ class Continuous(_Policy):
             num_tokens = plan.tokens_for(request, self.chunked_prefill)
             if not num_tokens:
                 return NO_BUDGET
-            if not plan.has_blocks(request, num_tokens):
+            num_new_blocks = plan.state.num_new_blocks(request, num_tokens)
+            if num_new_blocks > plan.free_blocks:
                 return NO_BLOCKS
-            plan.schedule(request, num_tokens)
+            plan.schedule(request, num_tokens, num_new_blocks)
             plan.admitted.append(request)
         return ""
 
@@ -213,11 +215,8 @@ class _Plan:
             return wanted
         return int(self.budget) if may_split else 0
 
-    def has_blocks(self, request: Request, num_tokens: int) -> bool:
-        return self.state.num_new_blocks(request, num_tokens) <= self.free_blocks
-
-    def schedule(self, request: Request, num_tokens: int) -> None:
-        self.free_blocks -= self.state.num_new_blocks(request, num_tokens)
+    def schedule(self, request: Request, num_tokens: int, num_new_blocks: int) -> None:
+        self.free_blocks -= num_new_blocks
         self.budget -= num_tokens
         self.num_tokens[request.id] = num_tokens
 

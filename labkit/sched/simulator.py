@@ -49,22 +49,32 @@ class ModeledStepTime:
     plans_ahead = True
 
     def plan_seconds(self, scheduled: dict[Request, int], num_steps: int) -> np.ndarray:
-        num_prefill, num_decode, num_kv = _first_step_work(scheduled)
-        kv = num_kv + len(scheduled) * np.arange(num_steps)  # (num_steps,)
-        seconds = self.cost.step_seconds(0, len(scheduled), kv)
-        seconds[0] = self.cost.step_seconds(num_prefill, num_decode, num_kv)
-        return seconds
+        return self._seconds(*_first_step_work(scheduled), len(scheduled), num_steps)
 
     def execute(self, state: SchedulerState, scheduled: dict[Request, int], num_steps: int, log: StepLog):
-        log.record_kv_tokens(_first_step_work(scheduled)[2], num_steps, len(scheduled))
-        return self.plan_seconds(scheduled, num_steps)
+        num_prefill, num_decode, num_kv = _first_step_work(scheduled)
+        log.record_kv_tokens(num_kv, num_steps, len(scheduled))
+        return self._seconds(num_prefill, num_decode, num_kv, len(scheduled), num_steps)
+
+    def _seconds(self, num_prefill: int, num_decode: int, num_kv: int, num_requests: int, num_steps: int):
+        if num_steps == 1:
+            return self.cost.step_seconds(num_prefill, num_decode, num_kv)
+        kv = num_kv + num_requests * np.arange(num_steps)  # (num_steps,)
+        seconds = self.cost.step_seconds(0, num_requests, kv)
+        seconds[0] = self.cost.step_seconds(num_prefill, num_decode, num_kv)
+        return seconds
 
 
 def _first_step_work(scheduled: dict[Request, int]) -> tuple[int, int, int]:
     """Prompt (or recompute) tokens, decode tokens, and KV tokens read in the next step."""
-    num_prefill = sum(n for r, n in scheduled.items() if not r.is_decoding)
-    num_decode = sum(1 for r in scheduled if r.is_decoding)
-    num_kv = sum(r.num_computed + n for r, n in scheduled.items())
+    num_prefill = num_decode = num_kv = 0
+    for request, num_tokens in scheduled.items():
+        uncomputed, generated = request.num_uncomputed, request.num_generated
+        if uncomputed == 1 and generated:
+            num_decode += 1
+        else:
+            num_prefill += num_tokens
+        num_kv += request.num_prompt_tokens + generated - uncomputed + num_tokens
     return num_prefill, num_decode, num_kv
 
 

@@ -131,7 +131,9 @@ class SchedulerState:
         tokens in the first step, then one token per step."""
         if self.blocks is not None:
             for request, num_tokens in scheduled.items():
-                self.blocks.allocate(request, request.num_computed + num_tokens + num_steps - 1)
+                num_tokens_held = request.num_computed + num_tokens + num_steps - 1
+                if self.blocks.num_blocks_for(num_tokens_held) > len(request.block_table):
+                    self.blocks.allocate(request, num_tokens_held)
 
     def reserve(self, request: Request) -> None:
         """Take every block `request` will ever need, now (static batching's reservation)."""
