@@ -292,6 +292,8 @@ def test_preemption_puts_the_newest_back_and_recomputes_it():
     # step 5 request 0 needs a third. The newest, 1, yields its 8 cached tokens; it returns
     # at step 6 and recomputes them plus its 5th output (9 tokens), which emits its 6th.
     assert log.num_preemptions == 1 and log.preemptions.tolist() == [0, 1]
+    assert log.preempted_at == [(5, 1)]
+    assert log.num_blocks_used.tolist() == [2, 4, 4, 4, 4, 3, 3]
     assert log.recomputed_tokens == 8
     assert log.finish_step.tolist() == [5, 6]
     assert log.prefill_tokens[6].tolist() == [9, 0]
@@ -366,6 +368,10 @@ def test_with_every_knob_each_request_emits_exactly_its_length(trace, policy):
         return
     stepped = lk.simulate(trace, policy, step_time=0.1, on_step=lambda log: None)
     assert jumped.slots.tolist() == stepped.slots.tolist()
+    assert jumped.num_blocks_used.tolist() == stepped.num_blocks_used.tolist()
+    assert jumped.preempted_at == stepped.preempted_at and len(jumped.preempted_at) == jumped.num_preemptions
+    if policy.num_blocks is not None:
+        assert jumped.num_blocks_used.max() <= policy.num_blocks
     assert jumped.num_tokens == stepped.num_tokens == trace.output_lengths.sum()
     assert (jumped.finish_step >= 0).all()
     # a recompute processes the cached tokens again, plus the last output, never fed before

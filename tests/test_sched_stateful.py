@@ -30,7 +30,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 import labkit as lk
 from labkit.sched import Decision, Request, SchedulerState
 from labkit.sched.blocks import BlockPool
-from labkit.sched.driver import _record, _scheduled
+from labkit.sched.driver import _blocks_used_per_step, _record, _scheduled
 from labkit.sched.steplog import StepLog
 
 CAPACITY = 64  # most requests one run may add: the StepLog's per-request arrays are this long
@@ -93,7 +93,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             self._check_decision(decision)
             preempted = [self.state.by_id[i] for i in decision.preempt]
             if preempted:
-                self.log.count_preemptions(preempted)
+                self.log.count_preemptions(self.state.num_steps, preempted)
             self.released.update(decision.release)
             for request in self.state.apply(decision):
                 self.log.admit_step[request.index] = self.state.num_steps
@@ -117,7 +117,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert 1 <= num_tokens <= request.num_uncomputed, (request, num_tokens)
         self.last_step_tokens = {r.id: n for r, n in scheduled.items()}
         self.state.grow(scheduled, 1)
-        _record(self.state, scheduled, 1, 1.0, self.log, decision)
+        _record(self.state, scheduled, 1, 1.0, self.log, decision, _blocks_used_per_step(self.state, scheduled, 1, None))
         return True
 
     def _guard(self, action, *args):

@@ -82,7 +82,7 @@ def drive(
         _arrive(pending, state)
         decision = policy.schedule(state)
         if decision.preempt:
-            log.count_preemptions([state.by_id[i] for i in decision.preempt])
+            log.count_preemptions(state.num_steps, [state.by_id[i] for i in decision.preempt])
         for request in state.apply(decision):
             log.admit_step[request.index] = state.num_steps
             if policy.reserves_whole_length:
@@ -96,9 +96,11 @@ def drive(
             num_steps = 1
         else:
             num_steps = _steps_until_event(state, scheduled, pending, decision, backend)
+        held_before = _blocks_held(state, scheduled) if num_steps > 1 else None
         state.grow(scheduled, num_steps)
         seconds = backend.execute(state, scheduled, num_steps, log)
-        num_unfinished -= _record(state, scheduled, num_steps, seconds, log, decision)
+        num_blocks_used = _blocks_used_per_step(state, scheduled, num_steps, held_before)
+        num_unfinished -= _record(state, scheduled, num_steps, seconds, log, decision, num_blocks_used)
         if on_step:
             on_step(log)
     state.apply(Decision(release=tuple(r.id for r in state.finished_in_slots())))  # drain: free every slot
@@ -177,7 +179,28 @@ def _steps_within_free_blocks(blocks: BlockPool, scheduled: dict[Request, int]) 
     return 1 + room + blocks.block_size * (free // len(scheduled))
 
 
-def _record(state: SchedulerState, scheduled: dict[Request, int], count: int, seconds, log: StepLog, decision) -> int:
+def _blocks_held(state: SchedulerState, scheduled: dict[Request, int]) -> np.ndarray | None:
+    """Blocks each scheduled request holds before a run of steps (None without a pool)."""
+    return None if state.blocks is None else np.array([len(r.block_table) for r in scheduled])
+
+
+def _blocks_used_per_step(state: SchedulerState, scheduled: dict[Request, int], count: int, held_before):
+    """KV blocks in use at each of the next `count` steps. `grow` took the blocks for all of
+    them up front; a request needs its last ones only from the step that writes to them."""
+    if state.blocks is None:
+        return 0
+    used = state.blocks.num_blocks - state.blocks.num_free_blocks
+    if count == 1:
+        return used
+    block_size = state.blocks.block_size
+    held_after = np.array([len(r.block_table) for r in scheduled])  # (R,)
+    cached_after_first = np.array([r.num_computed + n for r, n in scheduled.items()])  # (R,)
+    needed = -(-(cached_after_first[None, :] + np.arange(count)[:, None]) // block_size)  # (count, R)
+    return used - (held_after - np.maximum(held_before, needed)).sum(axis=1)  # (count,)
+
+
+def _record(state: SchedulerState, scheduled: dict[Request, int], count: int, seconds, log: StepLog, decision,
+            num_blocks_used) -> int:
     """Log `count` steps of the scheduled requests and advance them; returns how many finished.
 
     With count > 1, every request emits every step: its tokens in the first, one token after.
@@ -202,7 +225,6 @@ def _record(state: SchedulerState, scheduled: dict[Request, int], count: int, se
         if generated == request.output_len:
             finishing.append(request.index)
     num_emitted = len(scheduled) - num_chunks
-    num_blocks_used = state.blocks.num_blocks - state.blocks.num_free_blocks if state.blocks is not None else 0
     log.append(tuple(row), count, len(state.waiting), decision.blocked, state.now, seconds, num_emitted, num_blocks_used)
     if prefills:
         log.mark_prefills(state.num_steps, *map(list, zip(*prefills)))

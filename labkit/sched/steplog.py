@@ -14,6 +14,8 @@ Invariants:
   of step s, and `num_tokens` counts the emitted tokens;
 - `num_preemptions` and `recomputed_tokens` count the work preemption threw away: the
   cached tokens of each preempted request, which it computes again when readmitted;
+  `preempted_at` lists (step, request id) for each; `admit_step` is a request's last
+  admission;
 - per-request arrays are indexed by position in `trace`; -1 (steps) or NaN (times)
   means "not yet";
 - `prefill_tokens[s, k]` is how many prompt tokens slot k processed at step s (0 for a
@@ -53,7 +55,7 @@ class _Segment(NamedTuple):
     start: float
     seconds: float | np.ndarray
     num_emitted: int
-    num_blocks_used: int
+    num_blocks_used: int | np.ndarray
 
 
 class StepLog:
@@ -68,6 +70,7 @@ class StepLog:
         self.num_preemptions = 0
         self.recomputed_tokens = 0
         self.preemptions = np.zeros(len(trace), np.int64)
+        self.preempted_at: list[tuple[int, int]] = []  # (step, request id): lost its slot before that step
         self._segments: list[_Segment] = []
         self._arrays: dict[str, np.ndarray] = {}
         self._prefills: list[tuple[int, list[int], list[int]]] = []
@@ -95,9 +98,10 @@ class StepLog:
         if self._arrays:
             self._arrays.clear()
 
-    def count_preemptions(self, requests) -> None:
-        """Record the preemption of `requests`, before their cached tokens are dropped."""
+    def count_preemptions(self, step: int, requests) -> None:
+        """Record the preemption of `requests` before `step`, before their cached tokens are dropped."""
         for request in requests:
+            self.preempted_at.append((step, request.id))
             self.num_preemptions += 1
             self.recomputed_tokens += request.num_computed
             self.preemptions[request.index] += 1
@@ -160,10 +164,10 @@ class StepLog:
 
     @_per_step_array
     def num_blocks_used(self) -> np.ndarray:
-        """int [num_steps]: KV blocks held by requests during the step (0 without a pool).
-        Blocks are taken just before the steps that write to them, so within a run of
-        identical steps this is the count at its end."""
-        return self._per_step("num_blocks_used", np.int64)
+        """int [num_steps]: KV blocks in use during the step (0 without a pool)."""
+        if not self._segments:
+            return np.empty(0, np.int64)
+        return np.concatenate([np.broadcast_to(s.num_blocks_used, s.count) for s in self._segments]).astype(np.int64)
 
     @_per_step_array
     def num_emitted(self) -> np.ndarray:

@@ -16,12 +16,24 @@ from labkit.viz.figures import (
     step_time_curve,
     utilization_bars,
 )
+from labkit.viz.latency import TradeoffPoint, goodput_bars, latency_tradeoff, pareto_optimal, step_times, tradeoff_point
 from labkit.viz.live import LiveSlotDiagram
+from labkit.viz.memory import pool_sweep, pool_usage, preemption_steps, running_requests
 from labkit.viz.stepper import ScheduleStepper, progress_text
 
 __all__ = [
     "LiveSlotDiagram",
     "ScheduleStepper",
+    "TradeoffPoint",
+    "goodput_bars",
+    "latency_tradeoff",
+    "pareto_optimal",
+    "pool_sweep",
+    "pool_usage",
+    "preemption_steps",
+    "running_requests",
+    "step_times",
+    "tradeoff_point",
     "harmonic_curves",
     "length_histogram",
     "monte_carlo_convergence",

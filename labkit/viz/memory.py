@@ -1,0 +1,126 @@
+"""Memory figures: the KV block pool step by step, preemptions, and a sweep of pool sizes.
+
+Invariants:
+
+- every figure is a pure function of its arguments: a `StepLog`, a dict of them, or
+  plain numbers; nothing here runs a simulator, changes a log or keeps state between calls;
+- step s covers [s, s+1) on the x axis ("step"), as in `slot_diagram`, so the figures
+  line up with it; per-step values are drawn as steps (`line_shape="hv"`);
+- blocks are drawn exactly as the log records them (`StepLog.num_blocks_used`);
+- `preemption_steps(log)` lists every preemption the log records (`log.preempted_at`):
+  its length is `log.num_preemptions`, and it names each request as often as
+  `log.preemptions` says.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from labkit.sched import StepLog
+from labkit.viz.figures import PALETTE
+
+_GRID = "#e5e5e5"
+
+
+def preemption_steps(log: StepLog) -> list[tuple[int, int]]:
+    """(step, request id) of every preemption, by step: the request lost its slot before `step`."""
+    return sorted(log.preempted_at)
+
+
+def _stairs(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x and y that draw value s over [s, s+1) with line_shape="hv"."""
+    values = np.asarray(values)
+    return np.arange(len(values) + 1), np.append(values, values[-1:])
+
+
+def _named(logs: StepLog | dict[str, StepLog]) -> dict[str, StepLog]:
+    return logs if isinstance(logs, dict) else {logs.policy: logs}
+
+
+def _preemption_marks(log: StepLog, name: str, color: str) -> go.Scatter:
+    """A cross at each preemption, at the blocks held in the step it happened."""
+    marks = preemption_steps(log)
+    steps = np.array([step for step, _ in marks], np.int64)
+    label_of = dict(zip(log.trace.ids.tolist(), log.trace.labels))
+    return go.Scatter(
+        x=steps + 0.5,
+        y=log.num_blocks_used[steps],
+        mode="markers",
+        marker=dict(symbol="x", size=10, color=color),
+        hovertext=[f"step {step}: request {label_of[request]} preempted" for step, request in marks],
+        hoverinfo="text",
+        name=f"{name}: preemptions ({len(marks)})",
+    )
+
+
+def pool_usage(
+    logs: StepLog | dict[str, StepLog], num_blocks: int | None = None, title: str | None = None
+) -> go.Figure:
+    """KV blocks held at every step, one line per log, with the pool size and preemptions marked."""
+    fig = go.Figure()
+    for i, (name, log) in enumerate(_named(logs).items()):
+        color = PALETTE[i % len(PALETTE)]
+        x, y = _stairs(log.num_blocks_used)
+        fig.add_trace(go.Scatter(x=x, y=y, mode="lines", line_shape="hv", line=dict(color=color), name=name))
+        if log.num_preemptions:
+            fig.add_trace(_preemption_marks(log, name, color))
+    if num_blocks is not None:
+        fig.add_hline(y=num_blocks, line_dash="dash", annotation_text=f"pool: {num_blocks} blocks")
+    fig.update_layout(title=title or "KV blocks in use", height=380, plot_bgcolor="white", hovermode="closest")
+    fig.update_xaxes(title="step", rangemode="tozero", gridcolor=_GRID)
+    fig.update_yaxes(title="KV blocks held", rangemode="tozero", gridcolor=_GRID)
+    return fig
+
+
+def running_requests(logs: dict[str, StepLog], title: str | None = None) -> go.Figure:
+    """Requests working in a slot at every step, one line per log."""
+    fig = go.Figure()
+    for name, log in logs.items():
+        x, y = _stairs((log.slots >= 0).sum(axis=1))
+        fig.add_trace(go.Scatter(x=x, y=y, mode="lines", line_shape="hv", name=name))
+    fig.update_layout(title=title or "Requests running per step", height=350, plot_bgcolor="white")
+    fig.update_xaxes(title="step", rangemode="tozero", gridcolor=_GRID)
+    fig.update_yaxes(title="requests running", rangemode="tozero", gridcolor=_GRID)
+    return fig
+
+
+def _check_lengths(num_blocks: Sequence, **columns: Sequence) -> None:
+    for name, values in columns.items():
+        if len(values) != len(num_blocks):
+            raise ValueError(f"{name} has {len(values)} values but num_blocks has {len(num_blocks)}")
+
+
+def pool_sweep(
+    num_blocks: Sequence[int],
+    tokens_per_second: dict[str, Sequence[float]],
+    recomputed_tokens: Sequence[int],
+    num_preemptions: Sequence[int] | None = None,
+    peak: int | None = None,
+) -> go.Figure:
+    """Throughput (top, one line per policy) and recomputed tokens (bottom) against the pool size.
+
+    num_preemptions: shown when hovering over the recompute bars.
+    peak: a pool size to mark, e.g. the most blocks an unbounded run ever held.
+    """
+    _check_lengths(num_blocks, recomputed_tokens=recomputed_tokens, **tokens_per_second)
+    if num_preemptions is not None:
+        _check_lengths(num_blocks, num_preemptions=num_preemptions)
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.08, row_heights=[0.6, 0.4])
+    for name, values in tokens_per_second.items():
+        fig.add_trace(go.Scatter(x=list(num_blocks), y=list(values), mode="lines+markers", name=name), row=1, col=1)
+    hover = None if num_preemptions is None else [f"{n} preemptions" for n in num_preemptions]
+    fig.add_trace(
+        go.Bar(x=list(num_blocks), y=list(recomputed_tokens), hovertext=hover, name="recomputed tokens"), row=2, col=1
+    )
+    if peak is not None:
+        fig.add_vline(x=peak, line_dash="dot", row=2, col=1)
+        fig.add_vline(x=peak, line_dash="dot", annotation_text=f"peak demand {peak}", row=1, col=1)
+    fig.update_layout(title="KV pool size against throughput and recompute", height=520, plot_bgcolor="white")
+    fig.update_xaxes(title="KV pool (blocks)", row=2, col=1, gridcolor=_GRID)
+    fig.update_yaxes(title="tokens/s", rangemode="tozero", row=1, col=1, gridcolor=_GRID)
+    fig.update_yaxes(title="recomputed tokens", rangemode="tozero", row=2, col=1, gridcolor=_GRID)
+    return fig

@@ -1,0 +1,135 @@
+"""Memory figures: preemptions are found exactly, and every figure draws the log's own numbers."""
+
+from collections import Counter
+
+import numpy as np
+import pytest
+
+import labkit as lk
+from labkit.viz.memory import pool_sweep, pool_usage, preemption_steps, running_requests
+
+
+@pytest.fixture(scope="module")
+def tight():
+    """Three requests in a 6-block pool: request 2 is preempted at steps 5 and 9."""
+    trace = lk.Trace.from_lengths([10, 8, 8], prompt_lengths=[3, 3, 3])
+    return lk.simulate(trace, lk.Continuous(num_slots=3, num_blocks=6, block_size=4), on_step=lambda log: None)
+
+
+@pytest.fixture(scope="module")
+def roomy(tight):
+    return lk.simulate(tight.trace, lk.Continuous(num_slots=3, num_blocks=100, block_size=4))
+
+
+# preemption_steps ----------------------------------------------------------------------------
+
+
+def test_preemptions_of_the_small_example(tight):
+    assert preemption_steps(tight) == [(5, 2), (9, 2)]
+
+
+def test_no_preemptions_without_pressure(roomy):
+    assert preemption_steps(roomy) == []
+
+
+def test_no_preemptions_without_a_pool():
+    assert preemption_steps(lk.simulate(lk.Trace.toy(), lk.Continuous(num_slots=2))) == []
+
+
+def test_static_finishes_are_not_preemptions():
+    trace = lk.Trace.from_lengths([3, 9, 4, 2], prompt_lengths=[5, 5, 5, 5])
+    assert preemption_steps(lk.simulate(trace, lk.Static(num_slots=2, num_blocks=4, block_size=8))) == []
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("num_blocks", [16, 24, 40])
+@pytest.mark.parametrize(
+    "knobs",
+    [{}, {"victim": "longest"}, {"max_tokens_per_step": 160}, {"chunked_prefill": True, "max_tokens_per_step": 24}],
+    ids=["newest", "longest", "budget", "chunked"],
+)
+def test_every_counted_preemption_is_found(seed, num_blocks, knobs):
+    rate = None if seed == 0 else 30.0
+    trace = lk.Trace.sample(40, output="uniform", mean_output=40, prompt="uniform", mean_prompt=24, rate=rate,
+                            seed=seed)
+    log = lk.simulate(trace, lk.Continuous(num_slots=8, num_blocks=num_blocks, block_size=8, **knobs))
+    found = preemption_steps(log)
+    assert len(found) == log.num_preemptions > 0
+    per_request = Counter(request for _, request in found)
+    assert [per_request[i] for i in trace.ids.tolist()] == log.preemptions.tolist()
+    for step, request in found:  # held a slot at the step before, none at the step itself
+        assert request in log.slots[step - 1] and request not in log.slots[step]
+
+
+# pool_usage ---------------------------------------------------------------------------------
+
+
+def test_pool_usage_draws_blocks_per_step(tight):
+    fig = pool_usage(tight, num_blocks=6)
+    line = fig.data[0]
+    assert line.name == tight.policy and line.line.shape == "hv"
+    assert list(line.x) == list(range(tight.num_steps + 1))
+    assert list(line.y) == [3, 6, 6, 6, 6, 6, 6, 6, 6, 4, 3, 3, 3]
+
+
+def test_pool_usage_marks_preemptions_where_they_happen(tight):
+    marks = pool_usage(tight, num_blocks=6).data[1]
+    assert list(marks.x) == [5.5, 9.5]
+    assert list(marks.y) == [6, 4]
+    assert "(2)" in marks.name
+
+
+def test_pool_usage_draws_the_pool_line_only_when_given(tight):
+    assert [shape.y0 for shape in pool_usage(tight, num_blocks=6).layout.shapes] == [6]
+    assert pool_usage(tight).layout.shapes == ()
+
+
+def test_pool_usage_draws_one_line_per_log_and_marks_only_preempting_logs(tight, roomy):
+    fig = pool_usage({"tight": tight, "roomy": roomy})
+    assert [trace.name for trace in fig.data] == ["tight", "tight: preemptions (2)", "roomy"]
+
+
+def test_figures_leave_the_log_alone(tight):
+    before = tight.num_blocks_used.copy()
+    first, second = pool_usage(tight, num_blocks=6), pool_usage(tight, num_blocks=6)
+    assert first.to_plotly_json() == second.to_plotly_json()
+    assert np.array_equal(tight.num_blocks_used, before)
+
+
+# running_requests ---------------------------------------------------------------------------
+
+
+def test_running_requests_counts_busy_slots(tight, roomy):
+    fig = running_requests({"tight": tight, "roomy": roomy})
+    assert [trace.name for trace in fig.data] == ["tight", "roomy"]
+    assert list(fig.data[0].y) == [3, 3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1]
+    assert list(fig.data[1].y)[:-1] == (roomy.slots >= 0).sum(axis=1).tolist()
+
+
+# pool_sweep ---------------------------------------------------------------------------------
+
+
+def test_pool_sweep_draws_each_series():
+    throughput = {"paged": [1.0, 2.0, 3.0], "static": [0.5, 1.0, 2.0]}
+    fig = pool_sweep([8, 16, 32], throughput, [40, 10, 0], [5, 2, 0], peak=30)
+    assert [trace.name for trace in fig.data] == ["paged", "static", "recomputed tokens"]
+    assert list(fig.data[0].y) == [1.0, 2.0, 3.0]
+    assert list(fig.data[2].x) == [8, 16, 32] and list(fig.data[2].y) == [40, 10, 0]
+    assert list(fig.data[2].hovertext) == ["5 preemptions", "2 preemptions", "0 preemptions"]
+    assert [shape.x0 for shape in fig.layout.shapes] == [30, 30]  # one line through both panels
+    assert [note.text for note in fig.layout.annotations] == ["peak demand 30"]  # labelled once
+
+
+def test_pool_sweep_without_optional_parts():
+    fig = pool_sweep([8, 16], {"paged": [1.0, 2.0]}, [3, 0])
+    assert fig.data[1].hovertext is None
+    assert fig.layout.shapes == ()
+
+
+@pytest.mark.parametrize(
+    "series, recomputed, preemptions",
+    [({"paged": [1.0]}, [3, 0], None), ({"paged": [1.0, 2.0]}, [3], None), ({"paged": [1.0, 2.0]}, [3, 0], [1])],
+)
+def test_pool_sweep_rejects_series_of_the_wrong_length(series, recomputed, preemptions):
+    with pytest.raises(ValueError, match="num_blocks has 2"):
+        pool_sweep([8, 16], series, recomputed, preemptions)
