@@ -117,7 +117,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert 1 <= num_tokens <= request.num_uncomputed, (request, num_tokens)
         self.last_step_tokens = {r.id: n for r, n in scheduled.items()}
         self.state.grow(scheduled, 1)
-        _record(self.state, scheduled, 1, 1.0, self.log, decision, _blocks_used_per_step(self.state, scheduled, 1, None))
+        _record(self.state, scheduled, 1, 1.0, self.log, decision, _blocks_used_per_step(self.state, scheduled, 1, None) if self.state.blocks is not None else 0)
         return True
 
     def _guard(self, action, *args):

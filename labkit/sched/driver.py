@@ -96,10 +96,10 @@ def drive(
             num_steps = 1
         else:
             num_steps = _steps_until_event(state, scheduled, pending, decision, backend)
-        held_before = _blocks_held(state, scheduled) if num_steps > 1 else None
+        held_before = _blocks_held(state, scheduled) if state.blocks is not None and num_steps > 1 else None
         state.grow(scheduled, num_steps)
         seconds = backend.execute(state, scheduled, num_steps, log)
-        num_blocks_used = _blocks_used_per_step(state, scheduled, num_steps, held_before)
+        num_blocks_used = 0 if state.blocks is None else _blocks_used_per_step(state, scheduled, num_steps, held_before)
         num_unfinished -= _record(state, scheduled, num_steps, seconds, log, decision, num_blocks_used)
         if on_step:
             on_step(log)
@@ -157,7 +157,7 @@ def _steps_until_event(state, scheduled: dict[Request, int], pending, decision: 
     """Plain decode steps the decision holds for: until a request finishes, one arrives, the
     policy wakes, or the free blocks might not cover the requests' growth. The first of them
     may complete prefills."""
-    count = min(r.output_len - r.num_generated for r in scheduled)
+    count = min([r.output_len - r.num_generated for r in scheduled])
     if state.blocks is not None:
         count = min(count, _steps_within_free_blocks(state.blocks, scheduled))
     moments = [m for m in (pending[0].arrival if pending else None, decision.wake_at) if m is not None]
@@ -179,16 +179,14 @@ def _steps_within_free_blocks(blocks: BlockPool, scheduled: dict[Request, int]) 
     return 1 + room + blocks.block_size * (free // len(scheduled))
 
 
-def _blocks_held(state: SchedulerState, scheduled: dict[Request, int]) -> np.ndarray | None:
-    """Blocks each scheduled request holds before a run of steps (None without a pool)."""
-    return None if state.blocks is None else np.array([len(r.block_table) for r in scheduled])
+def _blocks_held(state: SchedulerState, scheduled: dict[Request, int]) -> np.ndarray:
+    """Blocks each scheduled request holds before a run of steps."""
+    return np.array([len(r.block_table) for r in scheduled])
 
 
 def _blocks_used_per_step(state: SchedulerState, scheduled: dict[Request, int], count: int, held_before):
     """KV blocks in use at each of the next `count` steps. `grow` took the blocks for all of
     them up front; a request needs its last ones only from the step that writes to them."""
-    if state.blocks is None:
-        return 0
     used = state.blocks.num_blocks - state.blocks.num_free_blocks
     if count == 1:
         return used
@@ -205,11 +203,10 @@ def _record(state: SchedulerState, scheduled: dict[Request, int], count: int, se
 
     With count > 1, every request emits every step: its tokens in the first, one token after.
     """
-    row = [-1] * state.num_slots
+    row = [r.id if r in scheduled else -1 for r in state.slots]
     prefills, starting, finishing = [], [], []
     num_chunks = 0
     for request, num_tokens in scheduled.items():
-        row[request.slot] = request.id
         generated = request.num_generated
         if request.num_uncomputed > 1 or not generated:  # a prefill (or its chunk, or a recompute)
             prefills.append((request.slot, num_tokens))
@@ -225,13 +222,13 @@ def _record(state: SchedulerState, scheduled: dict[Request, int], count: int, se
         if generated == request.output_len:
             finishing.append(request.index)
     num_emitted = len(scheduled) - num_chunks
-    log.append(tuple(row), count, len(state.waiting), decision.blocked, state.now, seconds, num_emitted, num_blocks_used)
+    log.append(row, count, len(state.waiting), decision.blocked, state.now, seconds, num_emitted, num_blocks_used)
     if prefills:
-        log.mark_prefills(state.num_steps, *map(list, zip(*prefills)))
-    if starting:
-        log.first_token_step[starting] = state.num_steps
-    if finishing:
-        log.finish_step[finishing] = state.num_steps + count - 1
+        log.mark_prefills(state.num_steps, prefills)
+    for index in starting:
+        log.first_token_step[index] = state.num_steps
+    for index in finishing:
+        log.finish_step[index] = state.num_steps + count - 1
     state.num_steps += count
-    state.now += float(np.sum(seconds)) if np.ndim(seconds) else count * seconds
+    state.now += count * seconds if isinstance(seconds, float) else float(np.sum(seconds))
     return len(finishing)

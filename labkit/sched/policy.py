@@ -62,7 +62,7 @@ class Decision:
 
 
 def _ids(requests) -> tuple[int, ...]:
-    return tuple(r.id for r in requests)
+    return tuple([r.id for r in requests])
 
 
 def _short_repr(policy) -> str:

@@ -48,7 +48,7 @@ def _per_step_array(compute):
 class _Segment(NamedTuple):
     """`count` identical steps; `seconds` is one number or one per step."""
 
-    row: np.ndarray
+    row: list[int]
     count: int
     num_queued: int
     blocked: str
@@ -73,7 +73,7 @@ class StepLog:
         self.preempted_at: list[tuple[int, int]] = []  # (step, request id): lost its slot before that step
         self._segments: list[_Segment] = []
         self._arrays: dict[str, np.ndarray] = {}
-        self._prefills: list[tuple[int, list[int], list[int]]] = []
+        self._prefills: list[tuple[int, list[tuple[int, int]]]] = []
         self._phases: dict[str, list[float]] = {}
         self._kv_tokens: list[tuple[int, int, int]] = []
         self.outputs: dict[int, list[int]] = {}
@@ -106,9 +106,9 @@ class StepLog:
             self.recomputed_tokens += request.num_computed
             self.preemptions[request.index] += 1
 
-    def mark_prefills(self, step: int, slots: list[int], num_tokens: list[int]) -> None:
-        """Record that each of `slots` processed its `num_tokens` prompt tokens at `step`."""
-        self._prefills.append((step, slots, num_tokens))
+    def mark_prefills(self, step: int, prefills: list[tuple[int, int]]) -> None:
+        """Record that at `step` each (slot, num_tokens) of `prefills` processed that many prompt tokens."""
+        self._prefills.append((step, prefills))
         self._arrays.pop("prefill_tokens", None)
 
     def record_phases(self, **seconds: float) -> None:
@@ -135,8 +135,9 @@ class StepLog:
     def prefill_tokens(self) -> np.ndarray:
         """int [num_steps, num_slots]: prompt tokens processed per slot and step."""
         tokens = np.zeros((self.num_steps, self.num_slots), np.int64)
-        for step, slots, num_tokens in self._prefills:
-            tokens[step, slots] = num_tokens
+        for step, prefills in self._prefills:
+            for slot, num_tokens in prefills:
+                tokens[step, slot] = num_tokens
         return tokens
 
     @property
