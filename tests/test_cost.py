@@ -182,7 +182,8 @@ def test_simulated_steps_last_what_the_cost_model_says_for_their_work():
     log = lk.simulate(ARRIVING, BUDGETED, cost=KNOWN)
     predicted = KNOWN.step_seconds(log.num_prefill_tokens, log.num_decode_tokens, log.num_kv_tokens)
     np.testing.assert_allclose(log.step_seconds, predicted)
-    assert log.num_prefill_tokens.sum() == (1 + ARRIVING.prompt_lengths).sum() + log.recomputed_tokens + log.num_preemptions
+    processed = (log.num_prefill_tokens + log.num_decode_tokens).sum()
+    assert processed == (ARRIVING.prompt_lengths + ARRIVING.output_lengths).sum() + log.recomputed_tokens
 
 
 def test_cost_model_runs_give_the_same_log_step_by_step():
