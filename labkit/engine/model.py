@@ -30,6 +30,18 @@ import torch.nn.functional as F
 from labkit.engine.kv import PagedKVCache, slot_ids
 
 
+# ModelConfig field -> the same field in Hugging Face's LlamaConfig
+_HF_NAMES = (
+    ("vocab_size", "vocab_size"),
+    ("d_model", "hidden_size"),
+    ("n_layers", "num_hidden_layers"),
+    ("n_heads", "num_attention_heads"),
+    ("d_ff", "intermediate_size"),
+    ("max_seq_len", "max_position_embeddings"),
+    ("norm_eps", "rms_norm_eps"),
+)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Sizes of TinyGPT. `max_seq_len` is the longest sequence (prompt + output) it accepts."""
@@ -66,15 +78,9 @@ class ModelConfig:
         from transformers import LlamaConfig
 
         return LlamaConfig(
-            vocab_size=self.vocab_size,
-            hidden_size=self.d_model,
-            intermediate_size=self.d_ff,
-            num_hidden_layers=self.n_layers,
-            num_attention_heads=self.n_heads,
+            **{hf_name: getattr(self, name) for name, hf_name in _HF_NAMES},
             num_key_value_heads=self.n_heads,
-            max_position_embeddings=self.max_seq_len,
             rope_theta=self.rope_theta,
-            rms_norm_eps=self.norm_eps,
             hidden_act="silu",
             attention_bias=False,
             mlp_bias=False,
@@ -104,14 +110,8 @@ class ModelConfig:
             if value != expected:
                 raise ValueError(f"{name} = {value!r}: TinyGPT needs {expected!r}")
         return cls(
-            vocab_size=hf_config.vocab_size,
-            d_model=hf_config.hidden_size,
-            n_layers=hf_config.num_hidden_layers,
-            n_heads=hf_config.num_attention_heads,
-            d_ff=hf_config.intermediate_size,
-            max_seq_len=hf_config.max_position_embeddings,
+            **{name: getattr(hf_config, hf_name) for name, hf_name in _HF_NAMES},
             rope_theta=float(rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))),
-            norm_eps=hf_config.rms_norm_eps,
         )
 
 
