@@ -26,6 +26,7 @@ the simulator may run it for many steps at once.
 from __future__ import annotations
 
 import math
+from operator import attrgetter
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
@@ -37,6 +38,7 @@ NO_BLOCKS = "no_blocks"
 NO_BUDGET = "no_budget"
 BATCH_FORMING = "batch_forming"
 VICTIMS = ("newest", "longest")
+_ADMITTED_ORDER = attrgetter("admitted_order")
 
 
 @dataclass(frozen=True)
@@ -139,8 +141,8 @@ class Continuous(_Policy):
         if self.num_blocks is None and self.max_tokens_per_step is None:
             return self._schedule_unlimited(state, release)
         plan = _Plan(state, self.max_tokens_per_step, sum(len(r.block_table) for r in release))
-        for request in sorted(state.running(), key=lambda r: r.admitted_order):
-            if request.id not in plan.preempted:
+        for request in sorted(state.running(), key=_ADMITTED_ORDER):
+            if request.id not in plan.preempted and not plan.decode(request):
                 self._schedule_running(plan, request)
         num_free_slots = state.num_free_slots() + len(release) + len(plan.preempted)
         blocked = NO_BLOCKS if plan.preempted else self._admit(plan, num_free_slots)
@@ -214,6 +216,21 @@ class _Plan:
         if wanted <= self.budget:
             return wanted
         return int(self.budget) if may_split else 0
+
+    def decode(self, request: Request) -> bool:
+        """Schedule a plain decode that needs no preemption, cheaply; False if `request` is not
+        one (the general path then decides)."""
+        if request.num_uncomputed != 1 or not request.num_generated or self.budget < 1:
+            return False
+        num_cached = request.num_prompt_tokens + request.num_generated - 1
+        num_new_blocks = 0 if self.state.blocks is None or num_cached < self.block_capacity(request) else 1
+        if num_new_blocks > self.free_blocks:
+            return False
+        self.schedule(request, 1, num_new_blocks)
+        return True
+
+    def block_capacity(self, request: Request) -> int:
+        return len(request.block_table) * self.state.blocks.block_size
 
     def schedule(self, request: Request, num_tokens: int, num_new_blocks: int) -> None:
         self.free_blocks -= num_new_blocks

@@ -130,9 +130,11 @@ class SchedulerState:
         """Give each scheduled request the KV blocks its next `num_steps` steps write to: its
         tokens in the first step, then one token per step."""
         if self.blocks is not None:
+            block_size = self.blocks.block_size
             for request, num_tokens in scheduled.items():
-                num_tokens_held = request.num_computed + num_tokens + num_steps - 1
-                if self.blocks.num_blocks_for(num_tokens_held) > len(request.block_table):
+                num_cached = request.num_prompt_tokens + request.num_generated - request.num_uncomputed
+                num_tokens_held = num_cached + num_tokens + num_steps - 1
+                if num_tokens_held > len(request.block_table) * block_size:
                     self.blocks.allocate(request, num_tokens_held)
 
     def reserve(self, request: Request) -> None:
