@@ -105,7 +105,7 @@ def prepare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[
     except ValueError as error:
         parser.error(f"argument --device: {error}")
     try:
-        trace, description = load_trace(args, engine.config.max_seq_len)
+        trace, description = load_trace(args, engine)
     except (OSError, ValueError, csv.Error) as error:
         parser.error(f"argument --trace: {_trace_error(args.trace, error)}")
     return engine, trace, description
@@ -121,7 +121,7 @@ def print_header(engine: Engine, trace: lk.Trace, description: str) -> None:
     print(flush=True)  # before the progress bars on stderr
 
 
-def load_trace(args: argparse.Namespace, max_seq_len: int) -> tuple[lk.Trace, str]:
+def load_trace(args: argparse.Namespace, engine: Engine) -> tuple[lk.Trace, str]:
     """The trace `--trace` names, and one line saying where it came from."""
     if args.trace == "toy":
         return lk.Trace.toy(), "toy: requests A-H, all waiting at t=0, no prompt"
@@ -136,18 +136,19 @@ def load_trace(args: argparse.Namespace, max_seq_len: int) -> tuple[lk.Trace, st
             f"{arrivals}, seed {args.seed}"
         )
     source = lk.Trace.azure_conv() if args.trace == "azure-conv" else lk.Trace.from_csv(args.trace)
-    trace, num_skipped = first_that_fit(source, args.requests, max_seq_len)
+    trace, num_skipped = first_that_fit(source, args.requests, engine)
+    max_seq_len = engine.config.max_seq_len
     return trace, (
         f"{args.trace}: the first {len(trace)} requests with prompt + output <= max_seq_len {max_seq_len} "
         f"({num_skipped} longer ones skipped), at their own arrival times"
     )
 
 
-def first_that_fit(trace: lk.Trace, num_requests: int, max_seq_len: int) -> tuple[lk.Trace, int]:
+def first_that_fit(trace: lk.Trace, num_requests: int, engine: Engine) -> tuple[lk.Trace, int]:
     """The first `num_requests` requests of `trace` that the model can hold, and how many were skipped."""
-    fits = np.flatnonzero(trace.prompt_lengths + trace.output_lengths <= max_seq_len)[:num_requests]
+    fits = np.flatnonzero(engine.fits(trace))[:num_requests]
     if fits.size == 0:
-        raise ValueError(f"no request has prompt + output <= max_seq_len {max_seq_len}")
+        raise ValueError(f"no request has prompt + output <= max_seq_len {engine.config.max_seq_len}")
     return trace.select(fits), int(fits[-1]) + 1 - fits.size
 
 

@@ -44,6 +44,11 @@ from labkit.traffic import Trace
 BOS_TOKEN = 0
 
 
+def sequence_lengths(trace: Trace) -> np.ndarray:
+    """The most tokens each request's cache holds: BOS, the prompt, and every output but the last."""
+    return trace.prompt_lengths + trace.output_lengths
+
+
 class Engine:
     """A tiny transformer with a paged KV cache, driven by a scheduling policy."""
 
@@ -89,7 +94,7 @@ class Engine:
         """The policy's pool, or one where every slot can hold the longest request."""
         if policy.num_blocks is not None:
             return policy.num_blocks
-        longest = int((trace.prompt_lengths + trace.output_lengths).max())  # BOS + prompt + outputs fed back
+        longest = int(sequence_lengths(trace).max())
         return policy.num_slots * -(-longest // policy.block_size)
 
     def time_decode_step(self, batch_size: int, context_len: int = 128, repeats: int = 5, block_size: int = 16) -> float:
@@ -108,10 +113,13 @@ class Engine:
                 timings.append(time.perf_counter() - start)
         return float(np.median(timings[1:]))
 
+    def fits(self, trace: Trace) -> np.ndarray:
+        """bool per request: whether its whole sequence fits the model's `max_seq_len`."""
+        return sequence_lengths(trace) <= self.config.max_seq_len
+
     def _check_fits(self, trace: Trace) -> None:
         """A ValueError if a request can never fit the model."""
-        lengths = trace.prompt_lengths + trace.output_lengths  # BOS + prompt + outputs fed back
-        too_long = np.flatnonzero(lengths > self.config.max_seq_len)
+        too_long = np.flatnonzero(~self.fits(trace))
         if too_long.size:
             i = int(too_long[0])
             raise ValueError(

@@ -25,6 +25,7 @@ from labkit.theory import MonteCarlo, exponential_utilization
 from labkit.traffic import Trace
 
 PALETTE = tuple(qualitative.Plotly)
+GRID = "#e5e5e5"  # light grid lines, shared by every figure
 SEED_BATCH_SIZES = (8, 32, 64)
 _MAX_SLOT_ROWS = 16  # a slot diagram grows taller up to this many slots; past it, rows thin and ticks space out
 
@@ -103,7 +104,7 @@ def slot_diagram(log: StepLog, title: str | None = None) -> go.Figure:
         plot_bgcolor="white",
         uniformtext=dict(minsize=8, mode="hide"),
     )
-    fig.update_xaxes(title="step", range=[0, max(log.num_steps, 1)], showgrid=True, gridcolor="#e5e5e5")
+    fig.update_xaxes(title="step", range=[0, max(log.num_steps, 1)], showgrid=True, gridcolor=GRID)
     fig.update_yaxes(
         title="slot",
         range=[log.num_slots - 0.5, -0.5],
@@ -129,7 +130,7 @@ def utilization_bars(logs: dict[str, StepLog]) -> go.Figure:
     values = [logs[name].utilization for name in names]
     fig = go.Figure(go.Bar(x=names, y=values, text=[f"{value:.1%}" for value in values], textposition="outside"))
     fig.update_layout(title="Slot utilization", height=350, plot_bgcolor="white", margin=dict(t=50, b=40))
-    fig.update_yaxes(title="utilization", tickformat=".0%", range=[0, 1.1], dtick=0.2, gridcolor="#e5e5e5")
+    fig.update_yaxes(title="utilization", tickformat=".0%", range=[0, 1.1], dtick=0.2, gridcolor=GRID)
     return fig
 
 
@@ -160,8 +161,8 @@ def harmonic_curves(
         plot_bgcolor="white",
         margin=dict(r=100),
     )
-    fig.update_xaxes(title="batch size B", gridcolor="#e5e5e5")
-    fig.update_yaxes(title="static utilization", tickformat=".0%", rangemode="tozero", gridcolor="#e5e5e5")
+    fig.update_xaxes(title="batch size B", gridcolor=GRID)
+    fig.update_yaxes(title="static utilization", tickformat=".0%", rangemode="tozero", gridcolor=GRID)
     return fig
 
 
@@ -197,8 +198,8 @@ def monte_carlo_convergence(result: MonteCarlo, num_points: int = 200) -> go.Fig
     fig.add_trace(go.Scatter(x=shown + 1, y=result.mean_of_ratios[shown], name="mean of per-batch ratios"))
     fig.add_hline(y=exponential_utilization(result.batch_size), line_dash="dot", annotation_text="1/H_B")
     fig.update_layout(title=f"Repeated static batches, B = {result.batch_size}", height=380, plot_bgcolor="white")
-    fig.update_xaxes(title="batches drawn", type="log", gridcolor="#e5e5e5")
-    fig.update_yaxes(title="utilization estimate", tickformat=".0%", gridcolor="#e5e5e5")
+    fig.update_xaxes(title="batches drawn", type="log", gridcolor=GRID)
+    fig.update_yaxes(title="utilization estimate", tickformat=".0%", gridcolor=GRID)
     return fig
 
 
@@ -210,7 +211,7 @@ def length_histogram(trace: Trace, num_bins: int = 100) -> go.Figure:
     fig.add_vline(x=float(lengths.mean()), line_dash="dot", annotation_text=f"mean {lengths.mean():.0f}")
     fig.update_layout(title=f"Output lengths of {len(trace):,} requests", height=350, plot_bgcolor="white")
     fig.update_xaxes(title="output tokens")
-    fig.update_yaxes(title="requests", gridcolor="#e5e5e5")
+    fig.update_yaxes(title="requests", gridcolor=GRID)
     return fig
 
 
@@ -231,8 +232,8 @@ def step_time_curve(seconds_by_batch: dict[int, float]) -> go.Figure:
     fig.add_trace(go.Scatter(x=sizes, y=milliseconds, mode="lines+markers", name="ms per step"))
     fig.add_trace(go.Scatter(x=sizes, y=milliseconds / sizes, mode="lines+markers", name="ms per token"))
     fig.update_layout(title="Decode step time against batch size", height=380, plot_bgcolor="white")
-    fig.update_xaxes(title="batch size (requests per step)", type="log", tickvals=sizes, gridcolor="#e5e5e5")
-    fig.update_yaxes(title="milliseconds", rangemode="tozero", gridcolor="#e5e5e5")
+    fig.update_xaxes(title="batch size (requests per step)", type="log", tickvals=sizes, gridcolor=GRID)
+    fig.update_yaxes(title="milliseconds", rangemode="tozero", gridcolor=GRID)
     return fig
 
 
@@ -244,5 +245,5 @@ def phase_split(logs: dict[str, StepLog]) -> go.Figure:
         seconds = [float(logs[name].phase_seconds[phase].sum()) for name in names]
         fig.add_trace(go.Bar(x=names, y=seconds, name=phase))
     fig.update_layout(title="Engine time by phase", barmode="stack", height=350, plot_bgcolor="white")
-    fig.update_yaxes(title="seconds", gridcolor="#e5e5e5")
+    fig.update_yaxes(title="seconds", gridcolor=GRID)
     return fig

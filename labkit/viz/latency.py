@@ -18,8 +18,7 @@ import numpy as np
 import plotly.graph_objects as go
 
 from labkit.sched import StepLog, metrics
-
-GRID = "#e5e5e5"
+from labkit.viz.figures import GRID
 
 
 class TradeoffPoint(NamedTuple):

@@ -21,9 +21,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from labkit.sched import StepLog
-from labkit.viz.figures import PALETTE
-
-_GRID = "#e5e5e5"
+from labkit.viz.figures import GRID, PALETTE
 
 
 def preemption_steps(log: StepLog) -> list[tuple[int, int]]:
@@ -71,8 +69,8 @@ def pool_usage(
     if num_blocks is not None:
         fig.add_hline(y=num_blocks, line_dash="dash", annotation_text=f"pool: {num_blocks} blocks")
     fig.update_layout(title=title or "KV blocks in use", height=380, plot_bgcolor="white", hovermode="closest")
-    fig.update_xaxes(title="step", rangemode="tozero", gridcolor=_GRID)
-    fig.update_yaxes(title="KV blocks held", rangemode="tozero", gridcolor=_GRID)
+    fig.update_xaxes(title="step", rangemode="tozero", gridcolor=GRID)
+    fig.update_yaxes(title="KV blocks held", rangemode="tozero", gridcolor=GRID)
     return fig
 
 
@@ -83,8 +81,8 @@ def running_requests(logs: dict[str, StepLog], title: str | None = None) -> go.F
         x, y = _stairs((log.slots >= 0).sum(axis=1))
         fig.add_trace(go.Scatter(x=x, y=y, mode="lines", line_shape="hv", name=name))
     fig.update_layout(title=title or "Requests running per step", height=350, plot_bgcolor="white")
-    fig.update_xaxes(title="step", rangemode="tozero", gridcolor=_GRID)
-    fig.update_yaxes(title="requests running", rangemode="tozero", gridcolor=_GRID)
+    fig.update_xaxes(title="step", rangemode="tozero", gridcolor=GRID)
+    fig.update_yaxes(title="requests running", rangemode="tozero", gridcolor=GRID)
     return fig
 
 
@@ -120,7 +118,7 @@ def pool_sweep(
         fig.add_vline(x=peak, line_dash="dot", row=2, col=1)
         fig.add_vline(x=peak, line_dash="dot", annotation_text=f"peak demand {peak}", row=1, col=1)
     fig.update_layout(title="KV pool size against throughput and recompute", height=520, plot_bgcolor="white")
-    fig.update_xaxes(title="KV pool (blocks)", row=2, col=1, gridcolor=_GRID)
-    fig.update_yaxes(title="tokens/s", rangemode="tozero", row=1, col=1, gridcolor=_GRID)
-    fig.update_yaxes(title="recomputed tokens", rangemode="tozero", row=2, col=1, gridcolor=_GRID)
+    fig.update_xaxes(title="KV pool (blocks)", row=2, col=1, gridcolor=GRID)
+    fig.update_yaxes(title="tokens/s", rangemode="tozero", row=1, col=1, gridcolor=GRID)
+    fig.update_yaxes(title="recomputed tokens", rangemode="tozero", row=2, col=1, gridcolor=GRID)
     return fig
