@@ -101,7 +101,7 @@ def _state(num_slots, in_slots, waiting):
     queued = [Request(len(requests) + i, rid, 0.0, 0, 5) for i, rid in enumerate(waiting)]
     state = SchedulerState(num_slots, requests + queued)
     for slot, request in enumerate(requests):
-        state.slots[slot], request.slot = request, slot
+        state.place(request, slot)
     state.waiting.extend(queued)
     return state
 

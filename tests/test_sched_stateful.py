@@ -8,6 +8,7 @@ every rule it checks the invariants the sched modules' docstrings state:
 - every added request is in exactly one place: waiting, in a slot (running or finished,
   not yet released), released after finishing, or aborted; none is lost;
 - the slots and requests agree (`slots[k].slot == k`), and at most `num_slots` are held;
+  the slot counters hold exactly the seated requests' counters and block counts;
 - allocated blocks + free blocks == num_blocks, no block id has two owners, a request
   holds blocks only while it holds a slot, and they cover its `num_computed` tokens;
 - a step processes at most `max_tokens_per_step` tokens, each scheduled request between
@@ -30,7 +31,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 import labkit as lk
 from labkit.sched import Decision, Request, SchedulerState
 from labkit.sched.blocks import BlockPool
-from labkit.sched.driver import _blocks_used_per_step, _record, _scheduled
+from labkit.sched.driver import _blocks_used_per_step, _record
 from labkit.sched.steplog import StepLog
 
 CAPACITY = 64  # most requests one run may add: the StepLog's per-request arrays are this long
@@ -100,8 +101,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             for request in preempted:  # back at the head of the queue, cache dropped, outputs kept
                 assert request.slot == -1 and not request.block_table
                 assert request.num_uncomputed == request.num_prompt_tokens + request.num_generated
-            scheduled = _scheduled(self.state, decision)
-            if scheduled:
+            batch = self.state.batch(decision)
+            if batch.size:
                 break
             if not (decision.preempt or decision.release):
                 # Everyone has arrived, so drive would raise "can make no progress" here.
@@ -112,12 +113,14 @@ class SchedulerMachine(RuleBasedStateMachine):
                 return False
         else:
             raise AssertionError(f"{self.policy!r}: {MAX_DECISIONS_PER_STEP} decisions in a row schedule nothing")
-        for request, num_tokens in scheduled.items():
+        scheduled = batch.rows(self.state)
+        for request, num_tokens in scheduled:
             assert request.slot >= 0 and not request.is_finished
             assert 1 <= num_tokens <= request.num_uncomputed, (request, num_tokens)
-        self.last_step_tokens = {r.id: n for r, n in scheduled.items()}
-        self.state.grow(scheduled, 1)
-        _record(self.state, scheduled, 1, 1.0, self.log, decision, _blocks_used_per_step(self.state, scheduled, 1, None) if self.state.blocks is not None else 0)
+        self.last_step_tokens = {r.id: n for r, n in scheduled}
+        self.state.grow(batch, 1)
+        num_blocks_used = _blocks_used_per_step(self.state, batch, 1) if self.state.blocks is not None else 0
+        _record(self.state, batch, 1, 1.0, self.log, decision, num_blocks_used)
         return True
 
     def _guard(self, action, *args):
@@ -153,12 +156,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         candidates = sorted([*self.state.waiting, *self.state.running()], key=lambda r: r.id)
         request = data.draw(st.sampled_from(candidates), label="abort")
         if request.slot >= 0:
-            self.state.slots[request.slot] = None
-            request.slot = -1
+            self.state._free_slot(request, "aborts")  # frees its blocks too
         else:
             self.state.waiting.remove(request)
-        if self.pool is not None:
-            self.pool.deallocate(request)
         del self.state.by_id[request.id]  # a later decision naming it would fail in apply
         self.aborted.add(request.id)
 
@@ -175,6 +175,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert len(state.slots) == state.num_slots and len(in_slots) <= state.num_slots
         for k, request in enumerate(state.slots):
             assert request is None or request.slot == k, f"slot {k} holds {request} whose slot is {request.slot}"
+        for k, request in enumerate(state.slots):
+            column = state.counters.table[:, k].tolist()
+            expected = [0, 0, 0, -1, 0, 0, 0] if request is None else [
+                request.index, request.id, request.num_prompt_tokens, request.output_len,
+                request.num_generated, request.num_uncomputed, len(request.block_table),
+            ]
+            assert column == expected, (k, column, request)
         for request in state.waiting:
             assert request.slot == -1 and not request.block_table, f"waiting {request} holds a slot or blocks"
         # exactly one place each

@@ -38,6 +38,7 @@ from labkit.engine.device import resolve_device
 from labkit.engine.kv import PagedKVCache
 from labkit.engine.model import ModelConfig, StepBatch, TinyGPT
 from labkit.sched import BlockPool, Request, SchedulerState, StepLog
+from labkit.sched.state import Batch
 from labkit.sched.driver import drive
 from labkit.traffic import Trace
 
@@ -156,13 +157,13 @@ class _TorchSteps:
             return [BOS_TOKEN, *self.trace.prompt_tokens[index].tolist()]
         return self.engine.prompt_ids(int(self.trace.ids[index]), int(self.trace.prompt_lengths[index]))
 
-    def execute(self, state: SchedulerState, scheduled: dict[Request, int], num_steps: int, log: StepLog) -> float:
+    def execute(self, state: SchedulerState, batch: Batch, num_steps: int, log: StepLog) -> float:
         start = time.perf_counter()
         schedule = start - self._last_step_end if self._last_step_end else 0.0
-        rows = [*scheduled.items(), *((r, 0) for r in self._padded_rows(state))]
-        batch = self._prepare(rows)
+        rows = [*batch.rows(state), *((r, 0) for r in self._padded_rows(state))]
+        step_batch = self._prepare(rows)
         prepared = time.perf_counter()
-        logits = self.engine.model(batch, self.cache)  # (num_rows, vocab)
+        logits = self.engine.model(step_batch, self.cache)  # (num_rows, vocab)
         if self.engine.device.type == "cuda":
             torch.cuda.synchronize()
         computed = time.perf_counter()
@@ -173,7 +174,7 @@ class _TorchSteps:
         log.record_phases(
             schedule=schedule, prepare=prepared - start, forward=computed - prepared, sample=self._last_step_end - computed
         )
-        log.record_kv_tokens(sum(batch.context_lens))
+        log.record_kv_tokens(sum(step_batch.context_lens))
         self.progress.update(len(emitting))
         return schedule + self._last_step_end - start
 

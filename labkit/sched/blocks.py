@@ -14,7 +14,6 @@ Invariants:
 
 from __future__ import annotations
 
-from collections import deque
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -30,7 +29,7 @@ class BlockPool:
                 raise ValueError(f"{name} = {value!r}: must be a whole number >= 1")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free = deque(range(num_blocks))
+        self._free = list(range(num_blocks - 1, -1, -1))  # a stack: block 0 is handed out first
 
     @property
     def num_free_blocks(self) -> int:
@@ -45,11 +44,13 @@ class BlockPool:
 
     def allocate(self, request: Request, num_tokens: int) -> None:
         """Grow `request`'s block table to hold `num_tokens` tokens."""
-        assert self.can_allocate(request, num_tokens), "allocate without can_allocate"
-        for _ in range(self.num_blocks_for(num_tokens) - len(request.block_table)):
-            request.block_table.append(self._free.popleft())
+        num_new_blocks = self.num_blocks_for(num_tokens) - len(request.block_table)
+        assert num_new_blocks <= len(self._free), "allocate without can_allocate"
+        if num_new_blocks > 0:
+            request.block_table.extend(reversed(self._free[-num_new_blocks:]))
+            del self._free[-num_new_blocks:]
 
     def deallocate(self, request: Request) -> None:
         """Return all of `request`'s blocks to the pool."""
-        self._free.extend(request.block_table)
+        self._free.extend(reversed(request.block_table))
         request.block_table.clear()

@@ -36,7 +36,7 @@ import numpy as np
 
 from labkit.sched.blocks import BlockPool
 from labkit.sched.policy import NO_BUDGET, Decision
-from labkit.sched.state import Request, SchedulerState
+from labkit.sched.state import Batch, Request, SchedulerState
 from labkit.sched.steplog import StepLog
 from labkit.traffic import Trace
 
@@ -49,11 +49,11 @@ class Backend(Protocol):
 
     plans_ahead: bool
 
-    def plan_seconds(self, scheduled: dict[Request, int], num_steps: int):
+    def plan_seconds(self, batch: Batch, num_steps: int):
         """The seconds of the next `num_steps` steps: a number if all are equal, else one per step."""
 
-    def execute(self, state: SchedulerState, scheduled: dict[Request, int], num_steps: int, log: StepLog):
-        """Run `num_steps` steps in which each scheduled request processes its number of
+    def execute(self, state: SchedulerState, batch: Batch, num_steps: int, log: StepLog):
+        """Run `num_steps` steps in which each request of `batch` processes its number of
         tokens; return the seconds each step took (a number, or one per step)."""
 
 
@@ -87,20 +87,19 @@ def drive(
             log.admit_step[request.index] = state.num_steps
             if policy.reserves_whole_length:
                 state.reserve(request)
-        scheduled = _scheduled(state, decision)
-        if not scheduled:
+        batch = state.batch(decision)
+        if not batch.size:
             if not (decision.preempt or decision.release):  # else the policy may decide anew at once
                 state.now = _idle_until(state, pending, decision, policy)
             continue
-        if on_step or not backend.plans_ahead or not _repeats(decision, scheduled):
+        if on_step or not backend.plans_ahead or not _repeats(decision, batch):
             num_steps = 1
         else:
-            num_steps = _steps_until_event(state, scheduled, pending, decision, backend)
-        held_before = _blocks_held(state, scheduled) if state.blocks is not None and num_steps > 1 else None
-        state.grow(scheduled, num_steps)
-        seconds = backend.execute(state, scheduled, num_steps, log)
-        num_blocks_used = 0 if state.blocks is None else _blocks_used_per_step(state, scheduled, num_steps, held_before)
-        num_unfinished -= _record(state, scheduled, num_steps, seconds, log, decision, num_blocks_used)
+            num_steps = _steps_until_event(state, batch, pending, decision, backend)
+        state.grow(batch, num_steps)
+        seconds = backend.execute(state, batch, num_steps, log)
+        num_blocks_used = 0 if state.blocks is None else _blocks_used_per_step(state, batch, num_steps)
+        num_unfinished -= _record(state, batch, num_steps, seconds, log, decision, num_blocks_used)
         if on_step:
             on_step(log)
     state.apply(Decision(release=tuple(r.id for r in state.finished_in_slots())))  # drain: free every slot
@@ -116,22 +115,13 @@ def _requests(trace: Trace) -> list[Request]:
     ]
 
 
-def _scheduled(state: SchedulerState, decision: Decision) -> dict[Request, int]:
-    """Who processes how many tokens this step, in slot order."""
-    if decision.num_tokens is None:
-        return {r: r.num_uncomputed for r in state.slots if r is not None and r.num_generated < r.output_len}
-    return {r: decision.num_tokens[r.id] for r in state.running() if r.id in decision.num_tokens}
-
-
-def _repeats(decision: Decision, scheduled: dict[Request, int]) -> bool:
+def _repeats(decision: Decision, batch: Batch) -> bool:
     """Whether the steps after this one will be scheduled alike until the next event: every
     request emits now, so it decodes next; nobody was preempted (a preempting step admits
     nobody); and no waiting request was held back only by budget this step's prefills use."""
-    if decision.num_tokens is None:
-        return True
-    if decision.preempt or not all(n == r.num_uncomputed for r, n in scheduled.items()):
+    if decision.preempt or not batch.emits.all():
         return False
-    return decision.blocked != NO_BUDGET or all(r.is_decoding for r in scheduled)
+    return decision.blocked != NO_BUDGET or bool(batch.is_decoding.all())
 
 
 def _arrive(pending: deque[Request], state: SchedulerState) -> None:
@@ -153,82 +143,61 @@ def _idle_until(state: SchedulerState, pending: deque[Request], decision: Decisi
     return min(wakes)
 
 
-def _steps_until_event(state, scheduled: dict[Request, int], pending, decision: Decision, backend: Backend) -> int:
+def _steps_until_event(state, batch: Batch, pending, decision: Decision, backend: Backend) -> int:
     """Plain decode steps the decision holds for: until a request finishes, one arrives, the
     policy wakes, or the free blocks might not cover the requests' growth. The first of them
     may complete prefills."""
-    count = min([r.output_len - r.num_generated for r in scheduled])
+    count = int((batch.output_len - batch.num_generated).min())
     if state.blocks is not None:
-        count = min(count, _steps_within_free_blocks(state.blocks, scheduled))
+        count = min(count, _steps_within_free_blocks(state.blocks, batch))
     moments = [m for m in (pending[0].arrival if pending else None, decision.wake_at) if m is not None]
     if not moments:
         return count
-    planned = backend.plan_seconds(scheduled, count)
+    planned = backend.plan_seconds(batch, count)
     wait = min(moments) - state.now - _TIME_SLACK
     if np.ndim(planned) == 0:
         return max(1, min(count, math.ceil(wait / planned)))
     return max(1, min(count, int(np.searchsorted(np.cumsum(planned), wait)) + 1))
 
 
-def _steps_within_free_blocks(blocks: BlockPool, scheduled: dict[Request, int]) -> int:
+def _steps_within_free_blocks(blocks: BlockPool, batch: Batch) -> int:
     """Steps that surely need no more blocks than are free: none before the first request
     fills its last block, then at most one block per request every `block_size` steps."""
-    after_first = {r: r.num_computed + n for r, n in scheduled.items()}  # tokens cached after the first step
-    free = blocks.num_free_blocks - sum(blocks.num_blocks_for(c) - len(r.block_table) for r, c in after_first.items())
-    room = min(blocks.block_size * blocks.num_blocks_for(c) - c for c in after_first.values())
-    return 1 + room + blocks.block_size * (free // len(scheduled))
+    cached_after_first = batch.num_cached_after
+    blocks_after_first = -(-cached_after_first // blocks.block_size)
+    free = blocks.num_free_blocks - int((blocks_after_first - batch.num_blocks_held).sum())
+    room = int((blocks.block_size * blocks_after_first - cached_after_first).min())
+    return 1 + room + blocks.block_size * (free // batch.size)
 
 
-def _blocks_held(state: SchedulerState, scheduled: dict[Request, int]) -> np.ndarray:
-    """Blocks each scheduled request holds before a run of steps."""
-    return np.array([len(r.block_table) for r in scheduled])
-
-
-def _blocks_used_per_step(state: SchedulerState, scheduled: dict[Request, int], count: int, held_before):
+def _blocks_used_per_step(state: SchedulerState, batch: Batch, count: int):
     """KV blocks in use at each of the next `count` steps. `grow` took the blocks for all of
     them up front; a request needs its last ones only from the step that writes to them."""
     used = state.blocks.num_blocks - state.blocks.num_free_blocks
     if count == 1:
         return used
-    block_size = state.blocks.block_size
-    held_after = np.array([len(r.block_table) for r in scheduled])  # (R,)
-    cached_after_first = np.array([r.num_computed + n for r, n in scheduled.items()])  # (R,)
-    needed = -(-(cached_after_first[None, :] + np.arange(count)[:, None]) // block_size)  # (count, R)
-    return used - (held_after - np.maximum(held_before, needed)).sum(axis=1)  # (count,)
+    held_after = state.counters.num_blocks_held[batch.slots]  # (R,)
+    needed = -(-(batch.num_cached_after[None, :] + np.arange(count)[:, None]) // state.blocks.block_size)  # (count, R)
+    return used - (held_after - np.maximum(batch.num_blocks_held, needed)).sum(axis=1)  # (count,)
 
 
-def _record(state: SchedulerState, scheduled: dict[Request, int], count: int, seconds, log: StepLog, decision,
-            num_blocks_used) -> int:
-    """Log `count` steps of the scheduled requests and advance them; returns how many finished.
+def _record(state: SchedulerState, batch: Batch, count: int, seconds, log: StepLog, decision, num_blocks_used) -> int:
+    """Log `count` steps of `batch` and advance its requests; returns how many finished.
 
     With count > 1, every request emits every step: its tokens in the first, one token after.
     """
-    row = [r.id if r in scheduled else -1 for r in state.slots]
-    prefills, starting, finishing = [], [], []
-    num_chunks = 0
-    for request, num_tokens in scheduled.items():
-        generated = request.num_generated
-        if request.num_uncomputed > 1 or not generated:  # a prefill (or its chunk, or a recompute)
-            prefills.append((request.slot, num_tokens))
-            if num_tokens < request.num_uncomputed:  # a chunk: nothing to emit yet
-                request.num_uncomputed -= num_tokens
-                num_chunks += 1
-                continue
-            request.num_uncomputed = 1  # the new output token
-            if not generated:
-                starting.append(request.index)
-        generated += count
-        request.num_generated = generated
-        if generated == request.output_len:
-            finishing.append(request.index)
-    num_emitted = len(scheduled) - num_chunks
-    log.append(row, count, len(state.waiting), decision.blocked, state.now, seconds, num_emitted, num_blocks_used)
-    if prefills:
-        log.mark_prefills(state.num_steps, prefills)
-    for index in starting:
-        log.first_token_step[index] = state.num_steps
-    for index in finishing:
-        log.finish_step[index] = state.num_steps + count - 1
+    row = np.full(state.num_slots, -1, np.int64)
+    row[batch.slots] = batch.id
+    emits = batch.emits
+    prefills = ~batch.is_decoding  # a prefill, its chunk, or a recompute
+    starting = emits & (batch.num_generated == 0)
+    finishing = emits & (batch.num_generated + count == batch.output_len)
+    state.advance(batch, count)
+    log.append(row, count, len(state.waiting), decision.blocked, state.now, seconds, int(emits.sum()), num_blocks_used)
+    if prefills.any():
+        log.mark_prefills(state.num_steps, list(zip(batch.slots[prefills].tolist(), batch.num_tokens[prefills].tolist())))
+    log.first_token_step[batch.index[starting]] = state.num_steps
+    log.finish_step[batch.index[finishing]] = state.num_steps + count - 1
     state.num_steps += count
     state.now += count * seconds if isinstance(seconds, float) else float(np.sum(seconds))
-    return len(finishing)
+    return int(finishing.sum())

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from labkit.sched.state import Request, SchedulerState
+    from labkit.sched.state import Batch, Request, SchedulerState
 
 NO_SLOT = "no_slot"
 NO_BLOCKS = "no_blocks"
@@ -141,9 +141,10 @@ class Continuous(_Policy):
         if self.num_blocks is None and self.max_tokens_per_step is None:
             return self._schedule_unlimited(state, release)
         plan = _Plan(state, self.max_tokens_per_step, sum(len(r.block_table) for r in release))
-        for request in sorted(state.running(), key=_ADMITTED_ORDER):
-            if request.id not in plan.preempted and not plan.decode(request):
-                self._schedule_running(plan, request)
+        if not plan.take_all_running():
+            for request in sorted(state.running(), key=_ADMITTED_ORDER):
+                if request.id not in plan.preempted and not plan.decode(request):
+                    self._schedule_running(plan, request)
         num_free_slots = state.num_free_slots() + len(release) + len(plan.preempted)
         blocked = NO_BLOCKS if plan.preempted else self._admit(plan, num_free_slots)
         preempt = sorted(plan.preempted.values(), key=lambda r: r.admitted_order)
@@ -151,7 +152,7 @@ class Continuous(_Policy):
             release=_ids(release),
             preempt=_ids(preempt),
             admit=_ids(plan.admitted),
-            num_tokens=plan.num_tokens,
+            num_tokens=plan.num_tokens_given(),
             blocked=blocked if state.waiting or plan.preempted else "",
         )
 
@@ -208,6 +209,28 @@ class _Plan:
         self.num_tokens: dict[int, int] = {}
         self.preempted: dict[int, Request] = {}
         self.admitted: list[Request] = []
+        self.all_running: Batch | None = None  # set when every running request got all its tokens at once
+
+    def take_all_running(self) -> bool:
+        """Schedule every running request for all its uncomputed tokens in one go, if the
+        budget and the free blocks cover them all (then neither order nor preemption matters)."""
+        batch = self.state.running_batch()
+        num_tokens = int(batch.num_tokens.sum())
+        num_new_blocks = self.state.num_new_blocks_of(batch)
+        if num_tokens > self.budget or num_new_blocks > self.free_blocks:
+            return False
+        self.budget -= num_tokens
+        self.free_blocks -= num_new_blocks
+        self.all_running = batch
+        return True
+
+    def num_tokens_given(self) -> dict[int, int] | None:
+        """The decision's `num_tokens`: None when every request that runs processes all it has pending."""
+        if self.all_running is None:
+            return self.num_tokens
+        if all(self.num_tokens[r.id] == r.num_uncomputed for r in self.admitted):
+            return None
+        return dict(zip(self.all_running.id.tolist(), self.all_running.num_tokens.tolist())) | self.num_tokens
 
     def tokens_for(self, request: Request, may_split: bool) -> int:
         """Tokens `request` can process within the budget left: all it has pending, a chunk

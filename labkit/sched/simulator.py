@@ -16,7 +16,7 @@ import numpy as np
 
 from labkit.sched.cost import CostModel
 from labkit.sched.driver import drive
-from labkit.sched.state import Request, SchedulerState
+from labkit.sched.state import Batch, SchedulerState
 from labkit.sched.steplog import StepLog
 from labkit.traffic import Trace
 
@@ -30,10 +30,10 @@ class FixedStepTime:
     step_time: float
     plans_ahead = True
 
-    def plan_seconds(self, scheduled: dict[Request, int], num_steps: int) -> float:
+    def plan_seconds(self, batch: Batch, num_steps: int) -> float:
         return self.step_time
 
-    def execute(self, state: SchedulerState, scheduled: dict[Request, int], num_steps: int, log: StepLog) -> float:
+    def execute(self, state: SchedulerState, batch: Batch, num_steps: int, log: StepLog) -> float:
         return self.step_time
 
 
@@ -48,13 +48,13 @@ class ModeledStepTime:
     cost: CostModel
     plans_ahead = True
 
-    def plan_seconds(self, scheduled: dict[Request, int], num_steps: int) -> np.ndarray:
-        return self._seconds(*_first_step_work(scheduled), len(scheduled), num_steps)
+    def plan_seconds(self, batch: Batch, num_steps: int) -> np.ndarray:
+        return self._seconds(*_first_step_work(batch), batch.size, num_steps)
 
-    def execute(self, state: SchedulerState, scheduled: dict[Request, int], num_steps: int, log: StepLog):
-        num_prefill, num_decode, num_kv = _first_step_work(scheduled)
-        log.record_kv_tokens(num_kv, num_steps, len(scheduled))
-        return self._seconds(num_prefill, num_decode, num_kv, len(scheduled), num_steps)
+    def execute(self, state: SchedulerState, batch: Batch, num_steps: int, log: StepLog):
+        num_prefill, num_decode, num_kv = _first_step_work(batch)
+        log.record_kv_tokens(num_kv, num_steps, batch.size)
+        return self._seconds(num_prefill, num_decode, num_kv, batch.size, num_steps)
 
     def _seconds(self, num_prefill: int, num_decode: int, num_kv: int, num_requests: int, num_steps: int):
         if num_steps == 1:
@@ -65,17 +65,11 @@ class ModeledStepTime:
         return seconds
 
 
-def _first_step_work(scheduled: dict[Request, int]) -> tuple[int, int, int]:
+def _first_step_work(batch: Batch) -> tuple[int, int, int]:
     """Prompt (or recompute) tokens, decode tokens, and KV tokens read in the next step."""
-    num_prefill = num_decode = num_kv = 0
-    for request, num_tokens in scheduled.items():
-        uncomputed, generated = request.num_uncomputed, request.num_generated
-        if uncomputed == 1 and generated:
-            num_decode += 1
-        else:
-            num_prefill += num_tokens
-        num_kv += request.num_prompt_tokens + generated - uncomputed + num_tokens
-    return num_prefill, num_decode, num_kv
+    decoding = batch.is_decoding
+    num_kv = int(batch.num_cached_after.sum())
+    return int(batch.num_tokens[~decoding].sum()), int(decoding.sum()), num_kv
 
 
 def simulate(
