@@ -8,7 +8,8 @@ every rule it checks the invariants the sched modules' docstrings state:
 - every added request is in exactly one place: waiting, in a slot (running or finished,
   not yet released), released after finishing, or aborted; none is lost;
 - the slots and requests agree (`slots[k].slot == k`), and at most `num_slots` are held;
-  the slot counters hold exactly the seated requests' counters and block counts;
+  each held slot is of exactly one kind (steady, irregular, finished), a steady request
+  decodes and its finishing step follows from its counts;
 - allocated blocks + free blocks == num_blocks, no block id has two owners, a request
   holds blocks only while it holds a slot, and they cover its `num_computed` tokens;
 - a step processes at most `max_tokens_per_step` tokens, each scheduled request between
@@ -31,7 +32,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 import labkit as lk
 from labkit.sched import Decision, Request, SchedulerState
 from labkit.sched.blocks import BlockPool
-from labkit.sched.driver import _blocks_used_per_step, _record
+from labkit.sched.driver import _record
+from labkit.sched.state import NEVER
 from labkit.sched.steplog import StepLog
 
 CAPACITY = 64  # most requests one run may add: the StepLog's per-request arrays are this long
@@ -118,8 +120,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert request.slot >= 0 and not request.is_finished
             assert 1 <= num_tokens <= request.num_uncomputed, (request, num_tokens)
         self.last_step_tokens = {r.id: n for r, n in scheduled}
-        self.state.grow(batch, 1)
-        num_blocks_used = _blocks_used_per_step(self.state, batch, 1) if self.state.blocks is not None else 0
+        growth = self.state.grow(batch, 1)
+        num_blocks_used = 0 if growth is None else growth.blocks_used()
         _record(self.state, batch, 1, 1.0, self.log, decision, num_blocks_used)
         return True
 
@@ -175,13 +177,15 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert len(state.slots) == state.num_slots and len(in_slots) <= state.num_slots
         for k, request in enumerate(state.slots):
             assert request is None or request.slot == k, f"slot {k} holds {request} whose slot is {request.slot}"
+        seats = state.seats
+        kinds = [*seats.steady, *seats.irregular, *seats.finished]
+        assert sorted(kinds) == [k for k, r in enumerate(state.slots) if r is not None], "a seat has no kind, or two"
         for k, request in enumerate(state.slots):
-            column = state.counters.table[:, k].tolist()
-            expected = [0, 0, 0, -1, 0, 0, 0] if request is None else [
-                request.index, request.id, request.num_prompt_tokens, request.output_len,
-                request.num_generated, request.num_uncomputed, len(request.block_table),
-            ]
-            assert column == expected, (k, column, request)
+            if request is not None:
+                assert (k in seats.finished) == request.is_finished, request
+                if k in seats.steady:
+                    assert request.is_decoding and seats.finish_at[k] == seats.now + request.output_len - request.num_generated
+            assert (seats.finish_at[k] < NEVER) == (k in seats.steady), k
         for request in state.waiting:
             assert request.slot == -1 and not request.block_table, f"waiting {request} holds a slot or blocks"
         # exactly one place each
@@ -205,7 +209,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         # blocks
         if self.pool is not None:
             owned = [b for r in self.added.values() for b in r.block_table]
-            free = list(self.pool._free)  # the pool has no public view of its free ids
+            free = list(self.pool._unassigned)  # the pool has no public view of its unassigned ids
+            assert len(owned) == sum(r.num_blocks_held for r in self.added.values()), "a table misses ids"
+            assert len(owned) + self.pool.num_free_blocks == self.pool.num_blocks, "blocks lost or invented"
             assert len(owned) == len(set(owned)), f"a block has two owners: {sorted(owned)}"
             assert not set(owned) & set(free), "a block is both free and owned"
             assert sorted(owned + free) == list(range(self.pool.num_blocks)), "a block id is lost or invented"

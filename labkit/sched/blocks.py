@@ -1,23 +1,20 @@
-"""KV block accounting: which cache blocks are free and which request holds which.
+"""KV block accounting: how many cache blocks are free, and which ids a request holds.
 
-The engine owns the tensors; this pool only hands out block ids, so the simulator and
-the engine make the same admission and growth decisions.
+The engine owns the tensors; this pool only lends blocks, so the simulator and the engine
+make the same admission and growth decisions. A holder asks for a number of blocks
+(`take`); which ids they are is settled when it first needs them (`assign`: the engine,
+every step; the simulator, never), so growing many requests costs one subtraction.
 
 Invariants:
 
-- every block id in 0 .. num_blocks-1 is either free or in exactly one request's
-  `block_table`, never both: num_free_blocks + sum of table lengths == num_blocks;
-- a request's table covers its tokens: len(block_table) == ceil(tokens / block_size)
-  for the most tokens it has been grown to;
-- `deallocate` returns every block of a request, so a drained run ends with all free.
+- `num_free_blocks` + the blocks every holder holds == num_blocks;
+- every block id is either unassigned or in exactly one holder's id list, never both,
+  and a holder's list never has more ids than it holds blocks; so at least
+  `num_free_blocks` ids are unassigned;
+- `give_back` returns every block of a holder, so a drained run ends with all free.
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from labkit.sched.state import Request
 
 
 class BlockPool:
@@ -29,28 +26,26 @@ class BlockPool:
                 raise ValueError(f"{name} = {value!r}: must be a whole number >= 1")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free = list(range(num_blocks - 1, -1, -1))  # a stack: block 0 is handed out first
-
-    @property
-    def num_free_blocks(self) -> int:
-        return len(self._free)
+        self.num_free_blocks = num_blocks
+        self._unassigned = list(range(num_blocks - 1, -1, -1))  # a stack: block 0 is assigned first
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def can_allocate(self, request: Request, num_tokens: int) -> bool:
-        """Whether `request` can grow to hold `num_tokens` tokens."""
-        return self.num_blocks_for(num_tokens) - len(request.block_table) <= self.num_free_blocks
+    def take(self, num_blocks: int) -> None:
+        """Lend `num_blocks` more blocks to a holder."""
+        assert 0 <= num_blocks <= self.num_free_blocks, f"take {num_blocks} blocks with {self.num_free_blocks} free"
+        self.num_free_blocks -= num_blocks
 
-    def allocate(self, request: Request, num_tokens: int) -> None:
-        """Grow `request`'s block table to hold `num_tokens` tokens."""
-        num_new_blocks = self.num_blocks_for(num_tokens) - len(request.block_table)
-        assert num_new_blocks <= len(self._free), "allocate without can_allocate"
-        if num_new_blocks > 0:
-            request.block_table.extend(reversed(self._free[-num_new_blocks:]))
-            del self._free[-num_new_blocks:]
+    def assign(self, block_ids: list[int], num_blocks: int) -> None:
+        """Extend a holder's `block_ids` to the `num_blocks` blocks it holds."""
+        missing = num_blocks - len(block_ids)
+        if missing > 0:
+            block_ids.extend(reversed(self._unassigned[-missing:]))
+            del self._unassigned[-missing:]
 
-    def deallocate(self, request: Request) -> None:
-        """Return all of `request`'s blocks to the pool."""
-        self._free.extend(reversed(request.block_table))
-        request.block_table.clear()
+    def give_back(self, block_ids: list[int], num_blocks: int) -> None:
+        """Return a holder's `num_blocks` blocks, `block_ids` the ids assigned among them; empties it."""
+        self._unassigned.extend(reversed(block_ids))
+        block_ids.clear()
+        self.num_free_blocks += num_blocks

@@ -96,9 +96,9 @@ def drive(
             num_steps = 1
         else:
             num_steps = _steps_until_event(state, batch, pending, decision, backend)
-        state.grow(batch, num_steps)
+        growth = state.grow(batch, num_steps)
         seconds = backend.execute(state, batch, num_steps, log)
-        num_blocks_used = 0 if state.blocks is None else _blocks_used_per_step(state, batch, num_steps)
+        num_blocks_used = 0 if growth is None else growth.blocks_used()
         num_unfinished -= _record(state, batch, num_steps, seconds, log, decision, num_blocks_used)
         if on_step:
             on_step(log)
@@ -119,9 +119,9 @@ def _repeats(decision: Decision, batch: Batch) -> bool:
     """Whether the steps after this one will be scheduled alike until the next event: every
     request emits now, so it decodes next; nobody was preempted (a preempting step admits
     nobody); and no waiting request was held back only by budget this step's prefills use."""
-    if decision.preempt or not batch.emits.all():
+    if decision.preempt or not batch.emits:
         return False
-    return decision.blocked != NO_BUDGET or bool(batch.is_decoding.all())
+    return decision.blocked != NO_BUDGET or batch.is_decoding
 
 
 def _arrive(pending: deque[Request], state: SchedulerState) -> None:
@@ -147,9 +147,9 @@ def _steps_until_event(state, batch: Batch, pending, decision: Decision, backend
     """Plain decode steps the decision holds for: until a request finishes, one arrives, the
     policy wakes, or the free blocks might not cover the requests' growth. The first of them
     may complete prefills."""
-    count = int((batch.output_len - batch.num_generated).min())
+    count = state.steps_until_a_finish(batch)
     if state.blocks is not None:
-        count = min(count, _steps_within_free_blocks(state.blocks, batch))
+        count = min(count, state.steps_within_free_blocks(batch))
     moments = [m for m in (pending[0].arrival if pending else None, decision.wake_at) if m is not None]
     if not moments:
         return count
@@ -160,44 +160,21 @@ def _steps_until_event(state, batch: Batch, pending, decision: Decision, backend
     return max(1, min(count, int(np.searchsorted(np.cumsum(planned), wait)) + 1))
 
 
-def _steps_within_free_blocks(blocks: BlockPool, batch: Batch) -> int:
-    """Steps that surely need no more blocks than are free: none before the first request
-    fills its last block, then at most one block per request every `block_size` steps."""
-    cached_after_first = batch.num_cached_after
-    blocks_after_first = -(-cached_after_first // blocks.block_size)
-    free = blocks.num_free_blocks - int((blocks_after_first - batch.num_blocks_held).sum())
-    room = int((blocks.block_size * blocks_after_first - cached_after_first).min())
-    return 1 + room + blocks.block_size * (free // batch.size)
-
-
-def _blocks_used_per_step(state: SchedulerState, batch: Batch, count: int):
-    """KV blocks in use at each of the next `count` steps. `grow` took the blocks for all of
-    them up front; a request needs its last ones only from the step that writes to them."""
-    used = state.blocks.num_blocks - state.blocks.num_free_blocks
-    if count == 1:
-        return used
-    held_after = state.counters.num_blocks_held[batch.slots]  # (R,)
-    needed = -(-(batch.num_cached_after[None, :] + np.arange(count)[:, None]) // state.blocks.block_size)  # (count, R)
-    return used - (held_after - np.maximum(batch.num_blocks_held, needed)).sum(axis=1)  # (count,)
-
-
 def _record(state: SchedulerState, batch: Batch, count: int, seconds, log: StepLog, decision, num_blocks_used) -> int:
     """Log `count` steps of `batch` and advance its requests; returns how many finished.
 
     With count > 1, every request emits every step: its tokens in the first, one token after.
     """
-    row = np.full(state.num_slots, -1, np.int64)
-    row[batch.slots] = batch.id
-    emits = batch.emits
-    prefills = ~batch.is_decoding  # a prefill, its chunk, or a recompute
-    starting = emits & (batch.num_generated == 0)
-    finishing = emits & (batch.num_generated + count == batch.output_len)
-    state.advance(batch, count)
-    log.append(row, count, len(state.waiting), decision.blocked, state.now, seconds, int(emits.sum()), num_blocks_used)
-    if prefills.any():
-        log.mark_prefills(state.num_steps, list(zip(batch.slots[prefills].tolist(), batch.num_tokens[prefills].tolist())))
-    log.first_token_step[batch.index[starting]] = state.num_steps
-    log.finish_step[batch.index[finishing]] = state.num_steps + count - 1
-    state.num_steps += count
+    first_step = state.num_steps
+    log.append(state.row(batch), count, len(state.waiting), decision.blocked, state.now, seconds, batch.num_emitted,
+               num_blocks_used)
+    prefills = [(r.slot, n) for r, n in batch.irregular if not r.is_decoding]  # a prompt, its chunk, or a recompute
+    if prefills:
+        log.mark_prefills(first_step, prefills)
+    for request, num_tokens in batch.irregular:
+        if num_tokens == request.num_uncomputed and not request.num_generated:
+            log.first_token_step[request.index] = first_step
+    finished = state.advance(batch, count)
+    log.finish_step[finished] = first_step + count - 1
     state.now += count * seconds if isinstance(seconds, float) else float(np.sum(seconds))
-    return int(finishing.sum())
+    return len(finished)

@@ -140,7 +140,7 @@ class Continuous(_Policy):
         release = state.finished_in_slots()
         if self.num_blocks is None and self.max_tokens_per_step is None:
             return self._schedule_unlimited(state, release)
-        plan = _Plan(state, self.max_tokens_per_step, sum(len(r.block_table) for r in release))
+        plan = _Plan(state, self.max_tokens_per_step, sum(r.num_blocks_held for r in release))
         if not plan.take_all_running():
             for request in sorted(state.running(), key=_ADMITTED_ORDER):
                 if request.id not in plan.preempted and not plan.decode(request):
@@ -215,7 +215,7 @@ class _Plan:
         """Schedule every running request for all its uncomputed tokens in one go, if the
         budget and the free blocks cover them all (then neither order nor preemption matters)."""
         batch = self.state.running_batch()
-        num_tokens = int(batch.num_tokens.sum())
+        num_tokens = batch.num_steady + sum(n for _, n in batch.irregular)
         num_new_blocks = self.state.num_new_blocks_of(batch)
         if num_tokens > self.budget or num_new_blocks > self.free_blocks:
             return False
@@ -230,7 +230,7 @@ class _Plan:
             return self.num_tokens
         if all(self.num_tokens[r.id] == r.num_uncomputed for r in self.admitted):
             return None
-        return dict(zip(self.all_running.id.tolist(), self.all_running.num_tokens.tolist())) | self.num_tokens
+        return {r.id: n for r, n in self.all_running.rows(self.state)} | self.num_tokens
 
     def tokens_for(self, request: Request, may_split: bool) -> int:
         """Tokens `request` can process within the budget left: all it has pending, a chunk
@@ -253,7 +253,7 @@ class _Plan:
         return True
 
     def block_capacity(self, request: Request) -> int:
-        return len(request.block_table) * self.state.blocks.block_size
+        return request.num_blocks_held * self.state.blocks.block_size
 
     def schedule(self, request: Request, num_tokens: int, num_new_blocks: int) -> None:
         self.free_blocks -= num_new_blocks
@@ -261,7 +261,7 @@ class _Plan:
         self.num_tokens[request.id] = num_tokens
 
     def preempt(self, request: Request) -> None:
-        self.free_blocks += len(request.block_table)
+        self.free_blocks += request.num_blocks_held
         self.preempted[request.id] = request
 
 
@@ -290,7 +290,7 @@ class Static(_Policy):
         wake_at = self.batch_start_time(state)
         if wake_at > state.now:
             return Decision(release=_ids(held), blocked=BATCH_FORMING, wake_at=wake_at)
-        admit, blocked = self._batch(state, state.num_free_blocks() + sum(len(r.block_table) for r in held))
+        admit, blocked = self._batch(state, state.num_free_blocks() + sum(r.num_blocks_held for r in held))
         return Decision(release=_ids(held), admit=_ids(admit), blocked=blocked)
 
     def _batch(self, state: SchedulerState, free_blocks: float) -> tuple[list[Request], str]:

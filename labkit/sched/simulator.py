@@ -49,27 +49,20 @@ class ModeledStepTime:
     plans_ahead = True
 
     def plan_seconds(self, batch: Batch, num_steps: int) -> np.ndarray:
-        return self._seconds(*_first_step_work(batch), batch.size, num_steps)
+        return self._seconds(batch, num_steps)
 
     def execute(self, state: SchedulerState, batch: Batch, num_steps: int, log: StepLog):
-        num_prefill, num_decode, num_kv = _first_step_work(batch)
-        log.record_kv_tokens(num_kv, num_steps, batch.size)
-        return self._seconds(num_prefill, num_decode, num_kv, batch.size, num_steps)
+        log.record_kv_tokens(batch.num_kv_tokens, num_steps, batch.size)
+        return self._seconds(batch, num_steps)
 
-    def _seconds(self, num_prefill: int, num_decode: int, num_kv: int, num_requests: int, num_steps: int):
+    def _seconds(self, batch: Batch, num_steps: int):
+        first = self.cost.step_seconds(batch.num_prefill_tokens, batch.num_decode_tokens, batch.num_kv_tokens)
         if num_steps == 1:
-            return self.cost.step_seconds(num_prefill, num_decode, num_kv)
-        kv = num_kv + num_requests * np.arange(num_steps)  # (num_steps,)
-        seconds = self.cost.step_seconds(0, num_requests, kv)
-        seconds[0] = self.cost.step_seconds(num_prefill, num_decode, num_kv)
+            return first
+        kv = batch.num_kv_tokens + batch.size * np.arange(num_steps)  # (num_steps,)
+        seconds = self.cost.step_seconds(0, batch.size, kv)
+        seconds[0] = first
         return seconds
-
-
-def _first_step_work(batch: Batch) -> tuple[int, int, int]:
-    """Prompt (or recompute) tokens, decode tokens, and KV tokens read in the next step."""
-    decoding = batch.is_decoding
-    num_kv = int(batch.num_cached_after.sum())
-    return int(batch.num_tokens[~decoding].sum()), int(decoding.sum()), num_kv
 
 
 def simulate(

@@ -4,8 +4,8 @@ A request's sequence is a begin-of-sequence token, its prompt, then its outputs.
 `num_uncomputed` counts the known tokens whose keys and values are not in the cache
 yet (the rest, `num_computed`, are). A step processes some of them; when it has
 processed all, the model emits the next output token, which is then the one token
-left uncomputed. So a prefill (or a recompute
-after preemption) may take several chunks, and a decode step processes one token.
+left uncomputed. So a prefill (or a recompute after preemption) may take several
+chunks, and a decode step processes one token.
 
 Invariants:
 
@@ -16,10 +16,10 @@ Invariants:
 - with a block pool, a request holds KV blocks only while it holds a slot, enough for
   its `num_computed` tokens; preemption returns them and makes every known token
   uncomputed again, while the outputs generated so far are kept;
-- while a request holds slot k, its counters live in row k of the state's
-  `SlotCounters` (and `num_blocks_held[k] == len(block_table)`), so policies and back
-  ends can look at every running request in one numpy operation; a request that holds
-  no slot keeps them itself.
+- a request in a slot is of one kind (`Seats`): steady (it decoded in every step since
+  it became steady, so its counts follow from the step clock), irregular (unfinished,
+  anything else), or finished. So a run of decode steps changes no per-request number,
+  and policies and back ends can look at every steady request in one numpy operation.
 
 Both back ends apply a policy's `Decision` through `SchedulerState.apply`, so slot
 placement (lowest free slot first) and preemption are done in one place.
@@ -28,10 +28,13 @@ placement (lowest free slot first) and preemption are done in one place.
 from __future__ import annotations
 
 from collections import deque
+
 import numpy as np
 
 from labkit.sched.blocks import BlockPool
 from labkit.sched.policy import Decision
+
+NEVER = np.iinfo(np.int64).max // 4  # a step no run reaches: "not steady" in Seats' step columns
 
 
 class Request:
@@ -39,7 +42,7 @@ class Request:
 
     __slots__ = (
         "index", "id", "arrival", "prompt_len", "output_len", "num_prompt_tokens", "num_preemptions",
-        "admitted_order", "slot", "block_table", "_num_generated", "_num_uncomputed", "_seat",
+        "admitted_order", "slot", "_block_ids", "_num_generated", "_num_uncomputed", "_seats", "_is_steady",
     )
 
     def __init__(self, index: int, id: int, arrival: float, prompt_len: int, output_len: int, num_generated: int = 0):
@@ -49,10 +52,11 @@ class Request:
         self.num_preemptions = 0
         self.admitted_order = -1
         self.slot = -1
-        self.block_table: list[int] = []
+        self._block_ids: list[int] = []
         self._num_generated = num_generated
         self._num_uncomputed = self.num_prompt_tokens
-        self._seat: SlotCounters | None = None  # the state's counters while this request holds a slot
+        self._seats: Seats | None = None  # while it holds a slot
+        self._is_steady = False
 
     def __repr__(self) -> str:
         return (
@@ -62,27 +66,29 @@ class Request:
 
     @property
     def num_generated(self) -> int:
-        seat = self._seat
-        return self._num_generated if seat is None else int(seat.num_generated[self.slot])
-
-    @num_generated.setter
-    def num_generated(self, value: int) -> None:
-        if self._seat is None:
-            self._num_generated = value
-        else:
-            self._seat.num_generated[self.slot] = value
+        if self._is_steady:
+            return self._seats.now + int(self._seats.generated_offset[self.slot])
+        return self._num_generated
 
     @property
     def num_uncomputed(self) -> int:
-        seat = self._seat
-        return self._num_uncomputed if seat is None else int(seat.num_uncomputed[self.slot])
+        return 1 if self._is_steady else self._num_uncomputed
 
     @num_uncomputed.setter
     def num_uncomputed(self, value: int) -> None:
-        if self._seat is None:
-            self._num_uncomputed = value
-        else:
-            self._seat.num_uncomputed[self.slot] = value
+        assert not self._is_steady, "a steady request decodes: one token uncomputed"
+        self._num_uncomputed = value
+
+    @property
+    def num_blocks_held(self) -> int:
+        return 0 if self._seats is None else int(self._seats.num_blocks_held[self.slot])
+
+    @property
+    def block_table(self) -> list[int]:
+        """The ids of the KV blocks this request holds, in the order of its tokens."""
+        if self._seats is not None and self._seats.pool is not None:
+            self._seats.pool.assign(self._block_ids, self.num_blocks_held)
+        return self._block_ids
 
     @property
     def is_finished(self) -> bool:
@@ -104,64 +110,108 @@ class Request:
         return self.num_prompt_tokens + self.output_len - 1
 
 
-class SlotCounters:
-    """The counters of the requests holding slots: `table[field, slot]`, one column per
-    slot. A free slot's column is all zeros but its output_len, -1, so that no
-    comparison of num_generated with output_len counts it as running or finished."""
+class Seats:
+    """The requests holding slots, by kind, and their numbers in columns (one entry per slot).
 
-    FIELDS = ("index", "id", "num_prompt_tokens", "output_len", "num_generated", "num_uncomputed", "num_blocks_held")
-    _FREE = np.array([0, 0, 0, -1, 0, 0, 0], np.int64)
+    A steady request in slot k has `num_generated == now + generated_offset[k]`, becomes
+    finished when `now` reaches `finish_at[k]`, and needs a new KV block in the step that
+    starts at `now == block_at[k]`; those two columns are NEVER for any other slot.
+    `sum_steady_base` is the sum of `num_prompt_tokens + generated_offset` over steady
+    requests: after the step that starts at `now`, each holds that plus `now` tokens in cache.
+    """
 
-    def __init__(self, num_slots: int):
-        self.table = np.repeat(self._FREE[:, None], num_slots, axis=1)  # (fields, slots)
-        self.num_generated, self.num_uncomputed, self.num_blocks_held = self.table[4:]  # writable views
-        self.id, self.output_len = self.table[1], self.table[3]
+    def __init__(self, num_slots: int, pool: BlockPool | None):
+        self.pool = pool
+        self.now = 0  # steps run so far: the index of the next step
+        self.steady: set[int] = set()
+        self.irregular: dict[int, Request] = {}
+        self.finished: dict[int, Request] = {}
+        self.sum_steady_base = 0
+        self.id = np.full(num_slots, -1, np.int64)
+        self.num_prompt_tokens = np.zeros(num_slots, np.int64)
+        self.generated_offset = np.zeros(num_slots, np.int64)
+        self.num_blocks_held = np.zeros(num_slots, np.int64)
+        self.finish_at = np.full(num_slots, NEVER, np.int64)
+        self.block_at = np.full(num_slots, NEVER, np.int64)
 
     def seat(self, request: Request) -> None:
-        """Move `request`'s counters into its slot's column."""
-        self.table[:, request.slot] = (
-            request.index, request.id, request.num_prompt_tokens, request.output_len,
-            request.num_generated, request.num_uncomputed, len(request.block_table),
-        )
-        request._seat = self
+        slot = request.slot
+        self.id[slot], self.num_prompt_tokens[slot] = request.id, request.num_prompt_tokens
+        request._seats = self
+        self._file(request)
 
     def unseat(self, request: Request) -> None:
-        """Give `request` its counters back and free its slot's column."""
-        request._num_generated, request._num_uncomputed = request.num_generated, request.num_uncomputed
-        request._seat = None
-        self.table[:, request.slot] = self._FREE
+        if request._is_steady:
+            self.freeze(request)
+        slot = request.slot
+        self.irregular.pop(slot, None)
+        self.finished.pop(slot, None)
+        self.id[slot] = -1
+        self.num_blocks_held[slot] = 0
+        request._seats = None
 
-    def running(self) -> np.ndarray:
-        """Slots whose request still has tokens to emit, in slot order."""
-        return np.flatnonzero(self.num_generated < self.output_len)
+    def make_steady(self, request: Request) -> None:
+        """From now on `request` decodes in every step, until it finishes."""
+        slot = request.slot
+        del self.irregular[slot]
+        offset = request._num_generated - self.now
+        self.generated_offset[slot] = offset
+        self.finish_at[slot] = request.output_len - offset
+        self.sum_steady_base += request.num_prompt_tokens + offset
+        self.steady.add(slot)
+        request._is_steady = True
+        self.place_next_block(slot)
 
-    def finished(self) -> np.ndarray:
-        """Slots still held by a finished request."""
-        return np.flatnonzero(self.num_generated == self.output_len)
+    def freeze(self, request: Request) -> None:
+        """`request` stops being steady: its counts are its own again."""
+        slot = request.slot
+        request._num_generated, request._num_uncomputed = request.num_generated, 1
+        request._is_steady = False
+        self.steady.remove(slot)
+        self.sum_steady_base -= request.num_prompt_tokens + int(self.generated_offset[slot])
+        self.finish_at[slot] = self.block_at[slot] = NEVER
+        self._file(request)
+
+    def place_next_block(self, slot: int) -> None:
+        """A steady request needs a new block in the step whose token its blocks cannot hold."""
+        if self.pool is not None:
+            base = self.num_prompt_tokens[slot] + self.generated_offset[slot]  # cached after the step at now: base + now
+            self.block_at[slot] = self.num_blocks_held[slot] * self.pool.block_size - base + 1
+
+    def _file(self, request: Request) -> None:
+        kind = self.finished if request._num_generated == request.output_len else self.irregular
+        kind[request.slot] = request
 
 
 class Batch:
-    """Who works in the next step, in slot order: each request's slot, the tokens it
-    processes, and its counters before the step (int arrays, one entry per request)."""
+    """Who works in the next run of steps: every steady request (one decode token each)
+    and the listed irregular ones, in slot order, with the tokens each processes first.
 
-    __slots__ = ("slots", "num_tokens", "index", "id", "num_prompt_tokens", "output_len", "num_generated",
-                 "num_uncomputed", "num_blocks_held", "num_cached_after", "is_decoding", "emits")
+    The work of the first step: `num_prefill_tokens` (prompts, chunks, recomputes),
+    `num_decode_tokens`, and `num_kv_tokens` in cache after it (what attention reads).
+    `emits`: whether every request emits a token at the end of the first step.
+    """
 
-    def __init__(self, counters: SlotCounters, slots: np.ndarray, num_tokens: np.ndarray):
-        self.slots, self.num_tokens = slots, num_tokens
-        (self.index, self.id, self.num_prompt_tokens, self.output_len, self.num_generated, self.num_uncomputed,
-         self.num_blocks_held) = counters.table[:, slots]
-        self.num_cached_after = self.num_prompt_tokens + self.num_generated - self.num_uncomputed + num_tokens
-        self.is_decoding = (self.num_generated > 0) & (self.num_uncomputed == 1)  # one token, the previous output
-        self.emits = num_tokens == self.num_uncomputed  # all but unfinished prefill chunks emit a token
+    __slots__ = ("num_steady", "irregular", "size", "emits", "is_decoding", "num_emitted",
+                 "num_prefill_tokens", "num_decode_tokens", "num_kv_tokens")
 
-    @property
-    def size(self) -> int:
-        return len(self.slots)
+    def __init__(self, seats: Seats, irregular: list[tuple[Request, int]]):
+        self.num_steady = len(seats.steady)
+        self.irregular = irregular
+        self.size = self.num_steady + len(irregular)
+        emitting = [n == r.num_uncomputed for r, n in irregular]
+        decoding = [r.is_decoding for r, _ in irregular]
+        self.emits, self.is_decoding = all(emitting), all(decoding)
+        self.num_emitted = self.num_steady + sum(emitting)
+        self.num_decode_tokens = self.num_steady + sum(decoding)
+        self.num_prefill_tokens = sum(n for (_, n), is_decode in zip(irregular, decoding) if not is_decode)
+        steady_kv = self.num_steady * seats.now + seats.sum_steady_base
+        self.num_kv_tokens = steady_kv + sum(r.num_computed + n for r, n in irregular)
 
     def rows(self, state: SchedulerState) -> list[tuple[Request, int]]:
-        """(request, tokens) pairs, for a back end that works request by request."""
-        return [(state.slots[slot], n) for slot, n in zip(self.slots.tolist(), self.num_tokens.tolist())]
+        """(request, tokens) pairs in slot order, for a back end that works request by request."""
+        rows = [(state.slots[slot], 1) for slot in state.seats.steady] + self.irregular
+        return sorted(rows, key=lambda row: row[0].slot)
 
 
 class SchedulerState:
@@ -171,22 +221,25 @@ class SchedulerState:
         self.num_slots = num_slots
         self.blocks = blocks
         self.now = 0.0
-        self.num_steps = 0
         self.num_admitted = 0
         self.waiting: deque[Request] = deque()
         self.slots: list[Request | None] = [None] * num_slots
-        self.counters = SlotCounters(num_slots)
+        self.seats = Seats(num_slots, blocks)
         self.by_id = {request.id: request for request in requests}
+
+    @property
+    def num_steps(self) -> int:
+        return self.seats.now
 
     # Views for policies
 
     def running(self) -> list[Request]:
         """Requests in slots that still have tokens to emit, in slot order."""
-        return [self.slots[slot] for slot in self.counters.running().tolist()]
+        return [self.slots[slot] for slot in sorted([*self.seats.steady, *self.seats.irregular])]
 
     def finished_in_slots(self) -> list[Request]:
         """Finished requests that still hold their slot."""
-        return [self.slots[slot] for slot in self.counters.finished().tolist()]
+        return [self.seats.finished[slot] for slot in sorted(self.seats.finished)]
 
     def num_free_slots(self) -> int:
         return self.slots.count(None)
@@ -199,35 +252,64 @@ class SchedulerState:
         """Blocks `request` must take to process `num_tokens` more tokens (0 without a pool)."""
         if self.blocks is None:
             return 0
-        return self.blocks.num_blocks_for(request.num_computed + num_tokens) - len(request.block_table)
-
-    def num_new_blocks_of(self, batch: Batch) -> int:
-        """Blocks the requests of `batch` must take, together, to process their tokens."""
-        if self.blocks is None:
-            return 0
-        num_new_blocks = -(-batch.num_cached_after // self.blocks.block_size) - batch.num_blocks_held
-        return int(num_new_blocks[num_new_blocks > 0].sum())
+        return max(0, self.blocks.num_blocks_for(request.num_computed + num_tokens) - request.num_blocks_held)
 
     def waiting_head(self, count: int) -> list[Request]:
         """The first `count` waiting requests, FCFS."""
         return [self.waiting[i] for i in range(min(count, len(self.waiting)))]
 
+    # Batches: who runs next
+
     def running_batch(self) -> Batch:
         """Every running request, with all its uncomputed tokens."""
-        slots = self.counters.running()
-        return Batch(self.counters, slots, self.counters.num_uncomputed[slots])
+        irregular = self.seats.irregular
+        return Batch(self.seats, [(irregular[slot], irregular[slot].num_uncomputed) for slot in sorted(irregular)])
 
     def batch(self, decision: Decision) -> Batch:
-        """Who works in the step `decision` schedules (applied already), and with how many tokens."""
+        """Who works in the step `decision` schedules (applied already), and with how many tokens.
+        A steady request the decision leaves out (or gives more than its one token) stops being steady."""
         if decision.num_tokens is None:
             return self.running_batch()
-        slots = self.counters.running()
-        given = decision.num_tokens.get
-        num_tokens = np.array([given(i, 0) for i in self.counters.id[slots].tolist()], np.int64)
-        scheduled = num_tokens > 0
-        return Batch(self.counters, slots[scheduled], num_tokens[scheduled])
+        given = decision.num_tokens
+        for slot in sorted(self.seats.steady):
+            if given.get(self.slots[slot].id, 0) != 1:
+                self.seats.freeze(self.slots[slot])
+        irregular = [(r, given.get(r.id, 0)) for r in map(self.seats.irregular.get, sorted(self.seats.irregular))]
+        return Batch(self.seats, [(r, n) for r, n in irregular if n > 0])
 
-    # Applying a decision
+    def num_new_blocks_of(self, batch: Batch) -> int:
+        """Blocks the requests of `batch` must take, together, in its first step."""
+        if self.blocks is None:
+            return 0
+        steady = int(np.count_nonzero(self.seats.block_at == self.seats.now)) if batch.num_steady else 0
+        return steady + sum(self.num_new_blocks(r, n) for r, n in batch.irregular)
+
+    def steps_until_a_finish(self, batch: Batch) -> int:
+        """Steps of `batch` until the first of its requests emits its last token (all emit every step)."""
+        steady = int(self.seats.finish_at.min()) - self.seats.now if batch.num_steady else NEVER
+        return min([steady, *(r.output_len - r.num_generated for r, _ in batch.irregular)])
+
+    def steps_within_free_blocks(self, batch: Batch) -> int:
+        """Steps of `batch` that surely need no more blocks than are free: none before the first
+        request fills its last block after the first step, then at most one block per request
+        every `block_size` steps."""
+        block_size = self.blocks.block_size
+        num_first_blocks, room = 0, NEVER
+        if batch.num_steady:
+            block_at, now = self.seats.block_at, self.seats.now
+            due_now = block_at == now
+            num_first_blocks = int(np.count_nonzero(due_now))
+            room = int(block_at[~due_now].min(initial=NEVER)) - now - 1
+            if num_first_blocks:
+                room = min(room, block_size - 1)
+        for request, num_tokens in batch.irregular:
+            cached = request.num_computed + num_tokens
+            num_first_blocks += self.num_new_blocks(request, num_tokens)
+            room = min(room, max(self.blocks.num_blocks_for(cached), request.num_blocks_held) * block_size - cached)
+        num_free = self.blocks.num_free_blocks - num_first_blocks
+        return 1 + room + block_size * (num_free // batch.size)
+
+    # Applying a decision and running steps
 
     def apply(self, decision: Decision) -> list[Request]:
         """Release, preempt, then admit, as decided; returns the admitted requests."""
@@ -246,33 +328,78 @@ class SchedulerState:
         """Seat `request` in free `slot` (admission does this with the lowest free slot)."""
         request.slot = slot
         self.slots[slot] = request
-        self.counters.seat(request)
+        self.seats.seat(request)
 
-    def grow(self, batch: Batch, num_steps: int) -> None:
+    def grow(self, batch: Batch, num_steps: int) -> Growth | None:
         """Give each request of `batch` the KV blocks its next `num_steps` steps write to: its
-        tokens in the first step, then one token per step."""
+        tokens in the first step, then one token per step. Returns who grew, for `Growth.blocks_used`."""
         if self.blocks is None:
-            return
-        num_tokens_held = batch.num_cached_after + (num_steps - 1)
-        short = num_tokens_held > batch.num_blocks_held * self.blocks.block_size
-        for slot, num_tokens in zip(batch.slots[short].tolist(), num_tokens_held[short].tolist()):
-            self._allocate(self.slots[slot], num_tokens)
+            return None
+        growth = Growth(self.blocks, num_steps)
+        for request, num_tokens in batch.irregular:
+            cached_after_first = request.num_computed + num_tokens
+            self._grow_one(growth, request, cached_after_first, cached_after_first + num_steps - 1)
+        if batch.num_steady:
+            self._grow_steady(growth, self.seats.now + num_steps - 1)
+        return growth
 
-    def advance(self, batch: Batch, num_steps: int) -> None:
+    def _grow_one(self, growth: Growth, request: Request, cached_after_first: int, num_tokens_held: int) -> None:
+        held = request.num_blocks_held
+        if num_tokens_held > held * self.blocks.block_size:
+            needed = self.blocks.num_blocks_for(num_tokens_held)
+            self.blocks.take(needed - held)
+            self.seats.num_blocks_held[request.slot] = needed
+            growth.add([held], [needed], [cached_after_first])
+
+    def _grow_steady(self, growth: Growth, last_step: int) -> None:
+        seats = self.seats
+        due = np.flatnonzero(seats.block_at <= last_step)
+        if due.size:
+            base = seats.num_prompt_tokens[due] + seats.generated_offset[due]  # cached after step s: base + s
+            held = seats.num_blocks_held[due]
+            needed = -(-(base + last_step) // self.blocks.block_size)
+            self.blocks.take(int((needed - held).sum()))
+            seats.num_blocks_held[due] = needed
+            seats.block_at[due] = needed * self.blocks.block_size - base + 1
+            growth.add(held, needed, base + seats.now)
+
+    def advance(self, batch: Batch, num_steps: int) -> list[int]:
         """Count `num_steps` steps of `batch` done: each request processed its tokens in the
-        first, and if that left nothing uncomputed it emitted a token in every one of them."""
-        emits = batch.emits
-        self.counters.num_uncomputed[batch.slots] = np.where(emits, 1, batch.num_uncomputed - batch.num_tokens)
-        self.counters.num_generated[batch.slots] = batch.num_generated + num_steps * emits
+        first, and if that left nothing uncomputed it emitted a token in every one of them.
+        Returns the trace indices of the requests that finished."""
+        seats = self.seats
+        seats.now += num_steps
+        finished = []
+        for request, num_tokens in batch.irregular:
+            if num_tokens < request._num_uncomputed:  # a chunk: nothing to emit yet
+                request._num_uncomputed -= num_tokens
+                continue
+            request._num_generated += num_steps
+            request._num_uncomputed = 1
+            if request._num_generated == request.output_len:
+                seats.finished[request.slot] = seats.irregular.pop(request.slot)
+                finished.append(request.index)
+            else:
+                seats.make_steady(request)
+        if batch.num_steady:
+            for slot in np.flatnonzero(seats.finish_at <= seats.now).tolist():
+                seats.freeze(self.slots[slot])
+                finished.append(self.slots[slot].index)
+        return finished
+
+    def row(self, batch: Batch) -> np.ndarray:
+        """int [num_slots]: the id of the request each slot works for in `batch`'s steps, -1 if none."""
+        row = np.where(self.seats.finish_at < NEVER, self.seats.id, -1)
+        for request, _ in batch.irregular:
+            row[request.slot] = request.id
+        return row
 
     def reserve(self, request: Request) -> None:
         """Take every block `request` will ever need, now (static batching's reservation)."""
         if self.blocks is not None:
-            self._allocate(request, request.max_context_len)
-
-    def _allocate(self, request: Request, num_tokens: int) -> None:
-        self.blocks.allocate(request, num_tokens)
-        self.counters.num_blocks_held[request.slot] = len(request.block_table)
+            needed = self.blocks.num_blocks_for(request.max_context_len)
+            self.blocks.take(needed - request.num_blocks_held)
+            self.seats.num_blocks_held[request.slot] = needed
 
     def _lookup(self, request_id: int, verb: str) -> Request:
         if request_id not in self.by_id:
@@ -282,11 +409,11 @@ class SchedulerState:
     def _free_slot(self, request: Request, verb: str) -> None:
         if request.slot < 0:
             raise ValueError(f"decision {verb} request {request.id}, which holds no slot")
-        self.counters.unseat(request)
+        if self.blocks is not None:
+            self.blocks.give_back(request._block_ids, request.num_blocks_held)
+        self.seats.unseat(request)
         self.slots[request.slot] = None
         request.slot = -1
-        if self.blocks is not None:
-            self.blocks.deallocate(request)
 
     def _preempt(self, request: Request) -> None:
         """Back to the head of the queue, its cache dropped; its outputs so far are kept."""
@@ -302,3 +429,30 @@ class SchedulerState:
         request.admitted_order = self.num_admitted
         self.num_admitted += 1
         self.place(request, self.slots.index(None))
+
+
+class Growth:
+    """The requests that took blocks for a run of steps, to tell how many blocks were in use
+    at each step: `grow` takes them all up front, but a request needs its last ones only
+    from the step that writes to them."""
+
+    def __init__(self, blocks: BlockPool, num_steps: int):
+        self.blocks, self.num_steps = blocks, num_steps
+        self.held_before: list[np.ndarray] = []
+        self.held_after: list[np.ndarray] = []
+        self.cached_after_first: list[np.ndarray] = []
+
+    def add(self, held_before, held_after, cached_after_first) -> None:
+        self.held_before.append(np.asarray(held_before))
+        self.held_after.append(np.asarray(held_after))
+        self.cached_after_first.append(np.asarray(cached_after_first))
+
+    def blocks_used(self):
+        """KV blocks in use at each step of the run: a number, or one per step."""
+        used = self.blocks.num_blocks - self.blocks.num_free_blocks
+        if self.num_steps == 1 or not self.held_after:
+            return used
+        held_before, held_after, cached = (np.concatenate(parts) for parts in (
+            self.held_before, self.held_after, self.cached_after_first))  # (G,)
+        needed = -(-(cached[None, :] + np.arange(self.num_steps)[:, None]) // self.blocks.block_size)  # (steps, G)
+        return used - (held_after - np.maximum(held_before, needed)).sum(axis=1)  # (steps,)
