@@ -55,6 +55,12 @@ class CostModel:
         )
         return float(seconds) if seconds.ndim == 0 else seconds
 
+    def decode_run_seconds(self, num_requests: int, first_num_kv_tokens: int, num_steps: int) -> np.ndarray:
+        """Seconds of each of `num_steps` plain decode steps of `num_requests` requests, the
+        first reading `first_num_kv_tokens` KV tokens and each later one `num_requests` more."""
+        per_step = self.overhead + self.per_decode_token * num_requests
+        return per_step + self.per_kv_token * (first_num_kv_tokens + num_requests * np.arange(num_steps))  # (steps,)
+
     @classmethod
     def fit(cls, log, holdout: float = 0.25, seed: int = 0) -> CostFit:
         """Fit to a StepLog's measured steps; see `fit_arrays`."""

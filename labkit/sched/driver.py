@@ -18,11 +18,13 @@ Invariants:
 - when nothing runs, the clock jumps to the next arrival or the time the policy asked
   to wake at; if neither exists while requests wait, the run stops with an error
   instead of spinning;
-- a back end with a fixed `step_time` may run a decision of plain decode steps for
-  every step until the next event (a finish, an arrival, the policy's wake time, or
+- a back end that plans step durations ahead may run a decision of plain decode steps
+  for every step until the next event (a finish, an arrival, the policy's wake time, or
   the point where the free blocks might not cover growth) at once; this gives the same log
   as asking the policy before every step, because policies decide only on events (see
-  `labkit.sched.policy`). With `on_step`, the policy is asked before every step.
+  `labkit.sched.policy`). An arrival is no event while the head of the queue is blocked
+  under a policy that `admits_in_order`; it still counts in the log's queue depth from
+  the step it arrives. With `on_step`, the policy is asked before every step.
 """
 
 from __future__ import annotations
@@ -35,12 +37,11 @@ from typing import Protocol
 import numpy as np
 
 from labkit.sched.blocks import BlockPool
-from labkit.sched.policy import NO_BUDGET, Decision
+from labkit.sched.policy import HEAD_BLOCKED, NO_BUDGET, Decision
 from labkit.sched.state import Batch, Request, SchedulerState
-from labkit.sched.steplog import StepLog
+from labkit.sched.steplog import TIME_SLACK, StepLog
 from labkit.traffic import Trace
 
-_TIME_SLACK = 1e-9  # seconds: clock arithmetic slack when comparing times
 
 
 class Backend(Protocol):
@@ -95,11 +96,11 @@ def drive(
         if on_step or not backend.plans_ahead or not _repeats(decision, batch):
             num_steps = 1
         else:
-            num_steps = _steps_until_event(state, batch, pending, decision, backend)
+            num_steps = _steps_until_event(state, batch, pending, decision, backend, policy)
         growth = state.grow(batch, num_steps)
         seconds = backend.execute(state, batch, num_steps, log)
         num_blocks_used = 0 if growth is None else growth.blocks_used()
-        num_unfinished -= _record(state, batch, num_steps, seconds, log, decision, num_blocks_used)
+        num_unfinished -= _record(state, batch, num_steps, seconds, log, decision, num_blocks_used, pending)
         if on_step:
             on_step(log)
     state.apply(Decision(release=tuple(r.id for r in state.finished_in_slots())))  # drain: free every slot
@@ -125,7 +126,7 @@ def _repeats(decision: Decision, batch: Batch) -> bool:
 
 
 def _arrive(pending: deque[Request], state: SchedulerState) -> None:
-    while pending and pending[0].arrival <= state.now + _TIME_SLACK:
+    while pending and pending[0].arrival <= state.now + TIME_SLACK:
         state.waiting.append(pending.popleft())
 
 
@@ -143,31 +144,36 @@ def _idle_until(state: SchedulerState, pending: deque[Request], decision: Decisi
     return min(wakes)
 
 
-def _steps_until_event(state, batch: Batch, pending, decision: Decision, backend: Backend) -> int:
-    """Plain decode steps the decision holds for: until a request finishes, one arrives, the
-    policy wakes, or the free blocks might not cover the requests' growth. The first of them
-    may complete prefills."""
+def _steps_until_event(state, batch: Batch, pending, decision: Decision, backend: Backend, policy) -> int:
+    """Plain decode steps the decision holds for: until a request finishes, one arrives (if
+    that matters), the policy wakes, or the free blocks might not cover the requests' growth.
+    The first of them may complete prefills."""
     count = state.steps_until_a_finish(batch)
     if state.blocks is not None:
         count = min(count, state.steps_within_free_blocks(batch))
-    moments = [m for m in (pending[0].arrival if pending else None, decision.wake_at) if m is not None]
+    arrivals_matter = not (getattr(policy, "admits_in_order", False) and decision.blocked in HEAD_BLOCKED)
+    next_arrival = pending[0].arrival if pending and arrivals_matter else None
+    moments = [m for m in (next_arrival, decision.wake_at) if m is not None]
     if not moments:
         return count
     planned = backend.plan_seconds(batch, count)
-    wait = min(moments) - state.now - _TIME_SLACK
+    wait = min(moments) - state.now - TIME_SLACK
     if np.ndim(planned) == 0:
         return max(1, min(count, math.ceil(wait / planned)))
     return max(1, min(count, int(np.searchsorted(np.cumsum(planned), wait)) + 1))
 
 
-def _record(state: SchedulerState, batch: Batch, count: int, seconds, log: StepLog, decision, num_blocks_used) -> int:
+def _record(state: SchedulerState, batch: Batch, count: int, seconds, log: StepLog, decision, num_blocks_used,
+            pending: deque[Request]) -> int:
     """Log `count` steps of `batch` and advance its requests; returns how many finished.
 
     With count > 1, every request emits every step: its tokens in the first, one token after.
     """
     first_step = state.num_steps
+    end = state.now + (count * seconds if isinstance(seconds, float) else float(np.sum(seconds)))
+    arrivals = _arrivals_before(pending, end) if count > 1 else None
     log.append(state.row(batch), count, len(state.waiting), decision.blocked, state.now, seconds, batch.num_emitted,
-               num_blocks_used)
+               num_blocks_used, arrivals)
     prefills = [(r.slot, n) for r, n in batch.irregular if not r.is_decoding]  # a prompt, its chunk, or a recompute
     if prefills:
         log.mark_prefills(first_step, prefills)
@@ -175,6 +181,17 @@ def _record(state: SchedulerState, batch: Batch, count: int, seconds, log: StepL
         if num_tokens == request.num_uncomputed and not request.num_generated:
             log.first_token_step[request.index] = first_step
     finished = state.advance(batch, count)
-    log.finish_step[finished] = first_step + count - 1
-    state.now += count * seconds if isinstance(seconds, float) else float(np.sum(seconds))
+    if finished:
+        log.finish_step[finished] = first_step + count - 1
+    state.now = end
     return len(finished)
+
+
+def _arrivals_before(pending: deque[Request], moment: float) -> np.ndarray | None:
+    """Arrival times of the pending requests that arrive by `moment`, or None if none do."""
+    times = []
+    for request in pending:
+        if request.arrival > moment + TIME_SLACK:
+            break
+        times.append(request.arrival)
+    return np.array(times) if times else None

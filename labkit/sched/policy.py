@@ -21,6 +21,10 @@ slot, how far each request has got, the free blocks, and the clock compared with
 `wake_at` time it asked for. So a decision made before a run of plain decode steps,
 in which nobody finishes, arrives or runs out of blocks, holds for all of them, and
 the simulator may run it for many steps at once.
+
+A policy that `admits_in_order` (every policy here) admits waiting requests first come,
+first served, and while the head of the queue is blocked nothing behind it matters; so
+while the head waits for a slot, blocks or budget, an arrival changes no decision.
 """
 
 from __future__ import annotations
@@ -31,13 +35,14 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from labkit.sched.state import Batch, Request, SchedulerState
+    from labkit.sched.state import Request, SchedulerState
 
 NO_SLOT = "no_slot"
 NO_BLOCKS = "no_blocks"
 NO_BUDGET = "no_budget"
 BATCH_FORMING = "batch_forming"
 VICTIMS = ("newest", "longest")
+HEAD_BLOCKED = (NO_SLOT, NO_BLOCKS, NO_BUDGET)  # reasons the head of the queue waits that no arrival lifts
 _ADMITTED_ORDER = attrgetter("admitted_order")
 
 
@@ -89,6 +94,7 @@ class _Policy:
     num_blocks: int | None = field(default=None, kw_only=True)
     block_size: int = field(default=16, kw_only=True)
     reserves_whole_length = False  # whether admission takes every block a request will need
+    admits_in_order = True  # FCFS: while the head of the queue is blocked, arrivals change nothing
 
     def __post_init__(self):
         _check_whole("num_slots", self.num_slots, 1)
@@ -141,7 +147,7 @@ class Continuous(_Policy):
         if self.num_blocks is None and self.max_tokens_per_step is None:
             return self._schedule_unlimited(state, release)
         plan = _Plan(state, self.max_tokens_per_step, sum(r.num_blocks_held for r in release))
-        if not plan.take_all_running():
+        if not plan.take_running(self.chunked_prefill):
             for request in sorted(state.running(), key=_ADMITTED_ORDER):
                 if request.id not in plan.preempted and not plan.decode(request):
                     self._schedule_running(plan, request)
@@ -209,28 +215,43 @@ class _Plan:
         self.num_tokens: dict[int, int] = {}
         self.preempted: dict[int, Request] = {}
         self.admitted: list[Request] = []
-        self.all_running: Batch | None = None  # set when every running request got all its tokens at once
+        self.took_running = False  # whether take_running scheduled the running requests
+        self.all_pending_given = False  # whether it gave every running request all it has pending
 
-    def take_all_running(self) -> bool:
-        """Schedule every running request for all its uncomputed tokens in one go, if the
-        budget and the free blocks cover them all (then neither order nor preemption matters)."""
-        batch = self.state.running_batch()
-        num_tokens = batch.num_steady + sum(n for _, n in batch.irregular)
-        num_new_blocks = self.state.num_new_blocks_of(batch)
-        if num_tokens > self.budget or num_new_blocks > self.free_blocks:
+    def take_running(self, chunked_prefill: bool) -> bool:
+        """Schedule the running requests cheaply when no one needs to be preempted and the
+        steady ones (one decode token each) are the oldest: then the general rule gives each
+        steady request its token and each irregular one, oldest first, what the budget
+        allows. False, with nothing scheduled, otherwise."""
+        state = self.state
+        steady = state.seats.steady
+        num_steady_blocks = state.num_new_steady_blocks()
+        if len(steady) > self.budget or num_steady_blocks > self.free_blocks:
             return False
-        self.budget -= num_tokens
-        self.free_blocks -= num_new_blocks
-        self.all_running = batch
+        irregular = sorted(state.seats.irregular.values(), key=_ADMITTED_ORDER)
+        if irregular and steady and irregular[0].admitted_order < max(state.slots[k].admitted_order for k in steady):
+            return False
+        budget, free_blocks, given = self.budget - len(steady), self.free_blocks - num_steady_blocks, {}
+        for request in irregular:
+            wanted = request.num_uncomputed
+            num_tokens = wanted if wanted <= budget else int(budget) if chunked_prefill or request.is_decoding else 0
+            if num_tokens:
+                num_new_blocks = state.num_new_blocks(request, num_tokens)
+                if num_new_blocks > free_blocks:
+                    return False
+                budget, free_blocks, given[request.id] = budget - num_tokens, free_blocks - num_new_blocks, num_tokens
+        self.budget, self.free_blocks, self.took_running = budget, free_blocks, True
+        self.num_tokens.update(given)
+        self.all_pending_given = len(given) == len(irregular) and all(given[r.id] == r.num_uncomputed for r in irregular)
         return True
 
     def num_tokens_given(self) -> dict[int, int] | None:
         """The decision's `num_tokens`: None when every request that runs processes all it has pending."""
-        if self.all_running is None:
+        if not self.took_running:
             return self.num_tokens
-        if all(self.num_tokens[r.id] == r.num_uncomputed for r in self.admitted):
+        if self.all_pending_given and all(self.num_tokens[r.id] == r.num_uncomputed for r in self.admitted):
             return None
-        return {r.id: n for r, n in self.all_running.rows(self.state)} | self.num_tokens
+        return {self.state.slots[k].id: 1 for k in self.state.seats.steady} | self.num_tokens
 
     def tokens_for(self, request: Request, may_split: bool) -> int:
         """Tokens `request` can process within the budget left: all it has pending, a chunk

@@ -37,32 +37,36 @@ class FixedStepTime:
         return self.step_time
 
 
-@dataclass(frozen=True)
 class ModeledStepTime:
     """A back end whose steps take what `cost` predicts for their work, and compute nothing.
 
     Over a run of steps the first processes each request's scheduled tokens and the rest
-    are plain decodes, so the KV tokens read grow by one per request and step.
+    are plain decodes, so the KV tokens read grow by one per request and step. The plan
+    for a batch is kept, so executing it costs nothing more.
     """
 
-    cost: CostModel
     plans_ahead = True
 
+    def __init__(self, cost: CostModel):
+        self.cost = cost
+        self._planned: tuple[Batch, np.ndarray] | None = None
+
     def plan_seconds(self, batch: Batch, num_steps: int) -> np.ndarray:
-        return self._seconds(batch, num_steps)
+        seconds = self.cost.decode_run_seconds(batch.size, batch.num_kv_tokens, num_steps)
+        seconds[0] = self._first_step_seconds(batch)
+        self._planned = (batch, seconds)
+        return seconds
 
     def execute(self, state: SchedulerState, batch: Batch, num_steps: int, log: StepLog):
         log.record_kv_tokens(batch.num_kv_tokens, num_steps, batch.size)
-        return self._seconds(batch, num_steps)
-
-    def _seconds(self, batch: Batch, num_steps: int):
-        first = self.cost.step_seconds(batch.num_prefill_tokens, batch.num_decode_tokens, batch.num_kv_tokens)
         if num_steps == 1:
-            return first
-        kv = batch.num_kv_tokens + batch.size * np.arange(num_steps)  # (num_steps,)
-        seconds = self.cost.step_seconds(0, batch.size, kv)
-        seconds[0] = first
-        return seconds
+            return self._first_step_seconds(batch)
+        if self._planned is None or self._planned[0] is not batch or len(self._planned[1]) < num_steps:
+            self.plan_seconds(batch, num_steps)
+        return self._planned[1][:num_steps]
+
+    def _first_step_seconds(self, batch: Batch) -> float:
+        return self.cost.step_seconds(batch.num_prefill_tokens, batch.num_decode_tokens, batch.num_kv_tokens)
 
 
 def simulate(

@@ -67,7 +67,7 @@ class Request:
     @property
     def num_generated(self) -> int:
         if self._is_steady:
-            return self._seats.now + int(self._seats.generated_offset[self.slot])
+            return self._seats.now + int(self._seats.cached_base[self.slot]) - self.num_prompt_tokens
         return self._num_generated
 
     @property
@@ -113,11 +113,11 @@ class Request:
 class Seats:
     """The requests holding slots, by kind, and their numbers in columns (one entry per slot).
 
-    A steady request in slot k has `num_generated == now + generated_offset[k]`, becomes
-    finished when `now` reaches `finish_at[k]`, and needs a new KV block in the step that
-    starts at `now == block_at[k]`; those two columns are NEVER for any other slot.
-    `sum_steady_base` is the sum of `num_prompt_tokens + generated_offset` over steady
-    requests: after the step that starts at `now`, each holds that plus `now` tokens in cache.
+    A steady request in slot k holds `cached_base[k] + now` tokens in cache after the step
+    that starts at `now` (so its `num_generated` is `now + cached_base[k] - num_prompt_tokens`),
+    becomes finished when `now` reaches `finish_at[k]`, and needs a new KV block in the step
+    that starts at `now == block_at[k]`; those two columns are NEVER for any other slot.
+    `sum_steady_base` is the sum of `cached_base` over steady requests.
     """
 
     def __init__(self, num_slots: int, pool: BlockPool | None):
@@ -128,15 +128,14 @@ class Seats:
         self.finished: dict[int, Request] = {}
         self.sum_steady_base = 0
         self.id = np.full(num_slots, -1, np.int64)
-        self.num_prompt_tokens = np.zeros(num_slots, np.int64)
-        self.generated_offset = np.zeros(num_slots, np.int64)
+        self.cached_base = np.zeros(num_slots, np.int64)
         self.num_blocks_held = np.zeros(num_slots, np.int64)
         self.finish_at = np.full(num_slots, NEVER, np.int64)
         self.block_at = np.full(num_slots, NEVER, np.int64)
 
     def seat(self, request: Request) -> None:
         slot = request.slot
-        self.id[slot], self.num_prompt_tokens[slot] = request.id, request.num_prompt_tokens
+        self.id[slot] = request.id
         request._seats = self
         self._file(request)
 
@@ -154,10 +153,10 @@ class Seats:
         """From now on `request` decodes in every step, until it finishes."""
         slot = request.slot
         del self.irregular[slot]
-        offset = request._num_generated - self.now
-        self.generated_offset[slot] = offset
-        self.finish_at[slot] = request.output_len - offset
-        self.sum_steady_base += request.num_prompt_tokens + offset
+        base = request.num_prompt_tokens + request._num_generated - self.now
+        self.cached_base[slot] = base
+        self.finish_at[slot] = request.output_len + request.num_prompt_tokens - base
+        self.sum_steady_base += base
         self.steady.add(slot)
         request._is_steady = True
         self.place_next_block(slot)
@@ -168,15 +167,14 @@ class Seats:
         request._num_generated, request._num_uncomputed = request.num_generated, 1
         request._is_steady = False
         self.steady.remove(slot)
-        self.sum_steady_base -= request.num_prompt_tokens + int(self.generated_offset[slot])
+        self.sum_steady_base -= int(self.cached_base[slot])
         self.finish_at[slot] = self.block_at[slot] = NEVER
         self._file(request)
 
     def place_next_block(self, slot: int) -> None:
         """A steady request needs a new block in the step whose token its blocks cannot hold."""
         if self.pool is not None:
-            base = self.num_prompt_tokens[slot] + self.generated_offset[slot]  # cached after the step at now: base + now
-            self.block_at[slot] = self.num_blocks_held[slot] * self.pool.block_size - base + 1
+            self.block_at[slot] = self.num_blocks_held[slot] * self.pool.block_size - self.cached_base[slot] + 1
 
     def _file(self, request: Request) -> None:
         kind = self.finished if request._num_generated == request.output_len else self.irregular
@@ -196,9 +194,15 @@ class Batch:
                  "num_prefill_tokens", "num_decode_tokens", "num_kv_tokens")
 
     def __init__(self, seats: Seats, irregular: list[tuple[Request, int]]):
-        self.num_steady = len(seats.steady)
+        self.num_steady = num_steady = len(seats.steady)
         self.irregular = irregular
-        self.size = self.num_steady + len(irregular)
+        self.size = num_steady + len(irregular)
+        if not irregular:  # the common case, cheaply
+            self.emits = self.is_decoding = True
+            self.num_emitted = self.num_decode_tokens = num_steady
+            self.num_prefill_tokens = 0
+            self.num_kv_tokens = num_steady * seats.now + seats.sum_steady_base
+            return
         emitting = [n == r.num_uncomputed for r, n in irregular]
         decoding = [r.is_decoding for r, _ in irregular]
         self.emits, self.is_decoding = all(emitting), all(decoding)
@@ -277,12 +281,11 @@ class SchedulerState:
         irregular = [(r, given.get(r.id, 0)) for r in map(self.seats.irregular.get, sorted(self.seats.irregular))]
         return Batch(self.seats, [(r, n) for r, n in irregular if n > 0])
 
-    def num_new_blocks_of(self, batch: Batch) -> int:
-        """Blocks the requests of `batch` must take, together, in its first step."""
-        if self.blocks is None:
+    def num_new_steady_blocks(self) -> int:
+        """Blocks the steady requests must take, together, for their next decode step."""
+        if self.blocks is None or not self.seats.steady:
             return 0
-        steady = int(np.count_nonzero(self.seats.block_at == self.seats.now)) if batch.num_steady else 0
-        return steady + sum(self.num_new_blocks(r, n) for r, n in batch.irregular)
+        return int(np.count_nonzero(self.seats.block_at == self.seats.now))
 
     def steps_until_a_finish(self, batch: Batch) -> int:
         """Steps of `batch` until the first of its requests emits its last token (all emit every step)."""
@@ -341,6 +344,7 @@ class SchedulerState:
             self._grow_one(growth, request, cached_after_first, cached_after_first + num_steps - 1)
         if batch.num_steady:
             self._grow_steady(growth, self.seats.now + num_steps - 1)
+        growth.used = self.blocks.num_blocks - self.blocks.num_free_blocks
         return growth
 
     def _grow_one(self, growth: Growth, request: Request, cached_after_first: int, num_tokens_held: int) -> None:
@@ -349,19 +353,22 @@ class SchedulerState:
             needed = self.blocks.num_blocks_for(num_tokens_held)
             self.blocks.take(needed - held)
             self.seats.num_blocks_held[request.slot] = needed
-            growth.add([held], [needed], [cached_after_first])
+            if num_tokens_held > cached_after_first:  # a run of steps: remember who grew
+                growth.add(np.array([held]), np.array([needed]), np.array([cached_after_first]))
 
     def _grow_steady(self, growth: Growth, last_step: int) -> None:
         seats = self.seats
         due = np.flatnonzero(seats.block_at <= last_step)
         if due.size:
-            base = seats.num_prompt_tokens[due] + seats.generated_offset[due]  # cached after step s: base + s
+            block_size = self.blocks.block_size
+            base = seats.cached_base[due]  # cached after step s: base + s
             held = seats.num_blocks_held[due]
-            needed = -(-(base + last_step) // self.blocks.block_size)
-            self.blocks.take(int((needed - held).sum()))
+            needed = (base + (last_step + block_size - 1)) // block_size
+            self.blocks.take(int(needed.sum() - held.sum()))
             seats.num_blocks_held[due] = needed
-            seats.block_at[due] = needed * self.blocks.block_size - base + 1
-            growth.add(held, needed, base + seats.now)
+            seats.block_at[due] = needed * block_size - base + 1
+            if last_step > seats.now:  # a run of steps: remember who grew, for the blocks used per step
+                growth.add(held, needed, base + seats.now)
 
     def advance(self, batch: Batch, num_steps: int) -> list[int]:
         """Count `num_steps` steps of `batch` done: each request processed its tokens in the
@@ -437,22 +444,26 @@ class Growth:
     from the step that writes to them."""
 
     def __init__(self, blocks: BlockPool, num_steps: int):
-        self.blocks, self.num_steps = blocks, num_steps
+        self.block_size, self.num_steps = blocks.block_size, num_steps
+        self.used = 0  # blocks held once the run's blocks are taken
         self.held_before: list[np.ndarray] = []
         self.held_after: list[np.ndarray] = []
         self.cached_after_first: list[np.ndarray] = []
 
-    def add(self, held_before, held_after, cached_after_first) -> None:
-        self.held_before.append(np.asarray(held_before))
-        self.held_after.append(np.asarray(held_after))
-        self.cached_after_first.append(np.asarray(cached_after_first))
+    def add(self, held_before: np.ndarray, held_after: np.ndarray, cached_after_first: np.ndarray) -> None:
+        self.held_before.append(held_before)
+        self.held_after.append(held_after)
+        self.cached_after_first.append(cached_after_first)
 
     def blocks_used(self):
-        """KV blocks in use at each step of the run: a number, or one per step."""
-        used = self.blocks.num_blocks - self.blocks.num_free_blocks
+        """KV blocks in use during the run: a number if it is the same at every step, else a
+        function that gives one number per step (a StepLog calls it when it is read)."""
         if self.num_steps == 1 or not self.held_after:
-            return used
+            return self.used
+        return self._blocks_used_per_step
+
+    def _blocks_used_per_step(self) -> np.ndarray:
         held_before, held_after, cached = (np.concatenate(parts) for parts in (
             self.held_before, self.held_after, self.cached_after_first))  # (G,)
-        needed = -(-(cached[None, :] + np.arange(self.num_steps)[:, None]) // self.blocks.block_size)  # (steps, G)
-        return used - (held_after - np.maximum(held_before, needed)).sum(axis=1)  # (steps,)
+        needed = -(-(cached[None, :] + np.arange(self.num_steps)[:, None]) // self.block_size)  # (steps, G)
+        return self.used - (held_after - np.maximum(held_before, needed)).sum(axis=1)  # (steps,)

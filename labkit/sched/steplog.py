@@ -26,12 +26,14 @@ Invariants:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
 
 from labkit.traffic import Trace
 
+TIME_SLACK = 1e-9  # seconds: clock arithmetic slack when comparing times
 
 
 def _per_step_array(compute):
@@ -55,7 +57,8 @@ class _Segment(NamedTuple):
     start: float
     seconds: float | np.ndarray
     num_emitted: int
-    num_blocks_used: int | np.ndarray
+    num_blocks_used: int | np.ndarray | Callable[[], np.ndarray]
+    arrivals: np.ndarray | None  # arrival times of requests that join the queue during the steps
 
 
 class StepLog:
@@ -89,10 +92,15 @@ class StepLog:
 
     # Writing (back ends only)
 
-    def append(self, row, count, num_queued, blocked, start, seconds, num_emitted, num_blocks_used=0) -> None:
+    def append(self, row, count, num_queued, blocked, start, seconds, num_emitted, num_blocks_used=0, arrivals=None) -> None:
         """Record `count` identical steps: who works in which slot, queue depth, why the head
-        waits, start time, seconds, output tokens emitted per step, and KV blocks held."""
-        self._segments.append(_Segment(row, count, num_queued, blocked, start, seconds, num_emitted, num_blocks_used))
+        waits, start time, seconds, output tokens emitted per step, and KV blocks held (a number,
+        one per step, or a function that gives one per step when the log is read). `arrivals`:
+        arrival times of requests that join the queue during these steps, each from the first
+        step that starts at or after it (`num_queued` is the depth at the first step)."""
+        self._segments.append(
+            _Segment(row, count, num_queued, blocked, start, seconds, num_emitted, num_blocks_used, arrivals)
+        )
         self.num_steps += count
         self.num_tokens += count * num_emitted
         if self._arrays:
@@ -156,7 +164,13 @@ class StepLog:
     @_per_step_array
     def num_queued(self) -> np.ndarray:
         """int [num_steps]: requests waiting during the step."""
-        return self._per_step("num_queued", np.int64)
+        queued = self._per_step("num_queued", np.int64)
+        first_steps = np.cumsum(self._counts()) - self._counts()
+        for first, segment in zip(first_steps.tolist(), self._segments):
+            if segment.arrivals is not None:
+                starts = self.step_start[first : first + segment.count]
+                queued[first : first + segment.count] += np.searchsorted(segment.arrivals, starts + TIME_SLACK, "right")
+        return queued
 
     @_per_step_array
     def blocked(self) -> np.ndarray:
@@ -168,7 +182,8 @@ class StepLog:
         """int [num_steps]: KV blocks in use during the step (0 without a pool)."""
         if not self._segments:
             return np.empty(0, np.int64)
-        return np.concatenate([np.broadcast_to(s.num_blocks_used, s.count) for s in self._segments]).astype(np.int64)
+        per_segment = [s.num_blocks_used() if callable(s.num_blocks_used) else s.num_blocks_used for s in self._segments]
+        return np.concatenate([np.broadcast_to(used, s.count) for used, s in zip(per_segment, self._segments)]).astype(np.int64)
 
     @_per_step_array
     def num_emitted(self) -> np.ndarray:
