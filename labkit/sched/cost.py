@@ -47,6 +47,9 @@ class CostModel:
 
     def step_seconds(self, num_prefill_tokens, num_decode_tokens, num_kv_tokens):
         """Seconds one step takes; scalars give a float, arrays an array of the same shape."""
+        if type(num_prefill_tokens) is type(num_decode_tokens) is type(num_kv_tokens) is int:  # the common case, cheaply
+            return (self.overhead + self.per_prefill_token * num_prefill_tokens
+                    + self.per_decode_token * num_decode_tokens + self.per_kv_token * num_kv_tokens)
         seconds = (
             self.overhead
             + self.per_prefill_token * np.asarray(num_prefill_tokens, dtype=float)

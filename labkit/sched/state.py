@@ -197,20 +197,19 @@ class Batch:
         self.num_steady = num_steady = len(seats.steady)
         self.irregular = irregular
         self.size = num_steady + len(irregular)
-        if not irregular:  # the common case, cheaply
-            self.emits = self.is_decoding = True
-            self.num_emitted = self.num_decode_tokens = num_steady
-            self.num_prefill_tokens = 0
-            self.num_kv_tokens = num_steady * seats.now + seats.sum_steady_base
-            return
-        emitting = [n == r.num_uncomputed for r, n in irregular]
-        decoding = [r.is_decoding for r, _ in irregular]
-        self.emits, self.is_decoding = all(emitting), all(decoding)
-        self.num_emitted = self.num_steady + sum(emitting)
-        self.num_decode_tokens = self.num_steady + sum(decoding)
-        self.num_prefill_tokens = sum(n for (_, n), is_decode in zip(irregular, decoding) if not is_decode)
-        steady_kv = self.num_steady * seats.now + seats.sum_steady_base
-        self.num_kv_tokens = steady_kv + sum(r.num_computed + n for r, n in irregular)
+        num_emitting = num_decoding = num_prefill_tokens = num_kv_tokens = 0
+        for request, num_tokens in irregular:
+            num_emitting += num_tokens == request.num_uncomputed
+            if request.is_decoding:
+                num_decoding += 1
+            else:
+                num_prefill_tokens += num_tokens
+            num_kv_tokens += request.num_computed + num_tokens
+        self.emits, self.is_decoding = num_emitting == len(irregular), num_decoding == len(irregular)
+        self.num_emitted = num_steady + num_emitting
+        self.num_decode_tokens = num_steady + num_decoding
+        self.num_prefill_tokens = num_prefill_tokens
+        self.num_kv_tokens = num_steady * seats.now + seats.sum_steady_base + num_kv_tokens
 
     def rows(self, state: SchedulerState) -> list[tuple[Request, int]]:
         """(request, tokens) pairs in slot order, for a back end that works request by request."""
