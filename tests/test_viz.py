@@ -141,6 +141,12 @@ def test_stepper_starts_at_the_end_with_final_counters(stepper):
     assert stepper.logs["static"].num_steps == 23 and stepper.logs["continuous"].num_steps == 17
 
 
+def test_play_and_slider_agree_before_a_front_end_links_them(stepper):
+    assert stepper.play.value == stepper.slider.value == stepper.play.max == 23
+    stepper.num_slots_box.value = 3
+    assert stepper.play.value == stepper.slider.value == stepper.play.max == 19
+
+
 def test_stepper_go_to_clips_figures_and_counts_so_far(stepper):
     stepper.go_to(5)
     assert stepper.step == 5

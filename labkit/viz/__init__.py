@@ -4,7 +4,9 @@ Imports plotly, ipywidgets, numpy and the labkit layers above it; it never runs 
 and it keeps no module-level mutable state.
 """
 
+from labkit.viz.animation import kernel_free_bundle, schedule_animation, show_anywhere
 from labkit.viz.figures import (
+    clipped_bars,
     harmonic_curves,
     length_histogram,
     monte_carlo_convergence,
@@ -34,13 +36,17 @@ __all__ = [
     "running_requests",
     "step_times",
     "tradeoff_point",
+    "clipped_bars",
     "harmonic_curves",
+    "kernel_free_bundle",
     "length_histogram",
     "monte_carlo_convergence",
     "phase_split",
     "progress_text",
     "redraw",
     "request_color",
+    "schedule_animation",
+    "show_anywhere",
     "show_steps",
     "slot_diagram",
     "step_time_curve",

@@ -115,13 +115,19 @@ def slot_diagram(log: StepLog, title: str | None = None) -> go.Figure:
     return fig
 
 
-def show_steps(fig: go.Figure, log: StepLog, step: int) -> None:
-    """Clip `fig`, a `slot_diagram(log)`, to steps [0, step), in one update message."""
+def clipped_bars(log: StepLog, step: int) -> dict:
+    """The bar lengths (`x`) and texts of `slot_diagram(log)` when only steps [0, step) are shown."""
     runs = _slot_runs(log)
     lengths, texts = _visible(runs, _labels(log, runs.request), step)
+    return dict(x=lengths, text=texts)
+
+
+def show_steps(fig: go.Figure, log: StepLog, step: int) -> None:
+    """Clip `fig`, a `slot_diagram(log)`, to steps [0, step), in one update message."""
+    bars = clipped_bars(log, step)
     with fig.batch_update():
-        fig.data[0].x = lengths
-        fig.data[0].text = texts
+        fig.data[0].x = bars["x"]
+        fig.data[0].text = bars["text"]
 
 
 def utilization_bars(logs: dict[str, StepLog]) -> go.Figure:

@@ -162,7 +162,8 @@ class ScheduleStepper(widgets.VBox):
                 self.figures[name].close()
             self.figures[name] = figure
         self.play.max = self.slider.max = longest
-        self.slider.value = longest
+        # the front end's link copies Play's value onto the slider when it starts (as in Voilà), so set both
+        self.play.value = self.slider.value = longest
         self._draw(longest)  # the slider may already stand at `longest`, so draw in any case
 
     def _draw(self, step: int) -> None:

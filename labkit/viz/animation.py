@@ -1,0 +1,113 @@
+"""schedule_animation: slot diagrams that fill in step by step with no kernel.
+
+A plotly figure with one frame per step, a slider and a play button. It plays wherever
+plotly.js runs (an HTML export, nbviewer, a Jupyter front end before any cell has run),
+so the A–H lesson still moves where an ipywidget such as `ScheduleStepper` cannot.
+`show_anywhere` displays it in a form each of those front ends draws.
+
+Invariants:
+
+- frame k shows every log clipped to steps [0, k), exactly as `show_steps` draws it,
+  and titles each diagram with the counters `progress_text` gives after k steps;
+  k runs from 0 to the longest log's step count, and frame k is named str(k);
+- the figure itself shows the last frame: every schedule whole;
+- a frame holds only what changes: bar lengths, bar texts and the diagram titles.
+"""
+
+from __future__ import annotations
+
+import json
+
+import plotly.graph_objects as go
+import plotly.io as pio
+from IPython.display import display
+from plotly.subplots import make_subplots
+
+from labkit.sched import StepLog
+from labkit.viz.figures import clipped_bars, slot_diagram
+from labkit.viz.stepper import PLAY_INTERVAL_MS, progress_text
+
+SLIDER_HEIGHT = 90  # room under the diagrams for the slider and the play buttons
+_JUMP = dict(mode="immediate", frame=dict(duration=0, redraw=True), transition=dict(duration=0))
+_PLAY = dict(fromcurrent=True, frame=dict(duration=PLAY_INTERVAL_MS, redraw=True), transition=dict(duration=0))
+
+
+def schedule_animation(*logs: StepLog) -> go.Figure:
+    """Slot diagrams of `logs` stacked on one step axis, with one frame and one slider step
+    per step and the counters in each diagram's title; ▶ plays them in the browser."""
+    num_steps = max(log.num_steps for log in logs)
+    fig = _stacked_diagrams(logs, num_steps)
+    fig.frames = [_frame(logs, step) for step in range(num_steps + 1)]
+    fig.update_layout(sliders=[_slider(num_steps)], updatemenus=[_play_buttons()])
+    return fig
+
+
+def kernel_free_bundle(fig: go.Figure) -> dict:
+    """`fig` as plotly's mime type, which JupyterLab draws, and as HTML that loads plotly.js from
+    its CDN, which nbviewer and HTML exports draw (GitHub's notebook preview runs no script)."""
+    html = pio.to_html(fig, include_plotlyjs="cdn", include_mathjax=False, full_html=False, auto_play=False)
+    return {"application/vnd.plotly.v1+json": json.loads(pio.to_json(fig)), "text/html": html}
+
+
+def show_anywhere(fig: go.Figure) -> None:
+    """Display `kernel_free_bundle(fig)` as a cell output."""
+    display(kernel_free_bundle(fig), raw=True)
+
+
+def _counters(logs, step: int) -> list[str]:
+    return [f"{log.policy} · {progress_text(log, step)}" for log in logs]
+
+
+def _stacked_diagrams(logs, num_steps: int) -> go.Figure:
+    """One `slot_diagram` per log, one row each, every row showing steps [0, num_steps)."""
+    diagrams = [slot_diagram(log) for log in logs]
+    fig = make_subplots(
+        rows=len(logs), cols=1, shared_xaxes=True, vertical_spacing=0.12, subplot_titles=_counters(logs, num_steps)
+    )
+    for row, diagram in enumerate(diagrams, start=1):
+        fig.add_trace(diagram.data[0], row=row, col=1)
+        fig.update_xaxes(diagram.layout.xaxis, range=[0, num_steps], row=row, col=1)
+        fig.update_yaxes(diagram.layout.yaxis, row=row, col=1)
+    fig.update_xaxes(title=None)
+    fig.update_xaxes(title="step", row=len(logs), col=1)
+    layout = diagrams[0].layout
+    fig.update_layout(
+        height=sum(diagram.layout.height for diagram in diagrams) + SLIDER_HEIGHT,
+        margin=layout.margin,
+        plot_bgcolor=layout.plot_bgcolor,
+        uniformtext=layout.uniformtext,
+    )
+    return fig
+
+
+def _frame(logs, step: int) -> go.Frame:
+    """Every log clipped to steps [0, step), and the diagram titles (subplot annotations,
+    which keep their places) rewritten with the counters after `step` steps."""
+    return go.Frame(
+        name=str(step),
+        data=[go.Bar(clipped_bars(log, step)) for log in logs],
+        traces=list(range(len(logs))),
+        layout=dict(annotations=[dict(text=text) for text in _counters(logs, step)]),
+    )
+
+
+def _slider(num_steps: int) -> dict:
+    steps = [dict(label=str(step), method="animate", args=[[str(step)], _JUMP]) for step in range(num_steps + 1)]
+    return dict(active=num_steps, steps=steps, currentvalue=dict(prefix="step "), x=0.1, len=0.9, pad=dict(t=30))
+
+
+def _play_buttons() -> dict:
+    """▶ plays from the step shown (from step 0 when the last is shown); ❚❚ stops."""
+    return dict(
+        type="buttons",
+        direction="left",
+        x=0,
+        y=0,
+        xanchor="left",
+        yanchor="top",
+        pad=dict(t=65),
+        buttons=[
+            dict(label="▶", method="animate", args=[None, _PLAY]),
+            dict(label="❚❚", method="animate", args=[[None], _JUMP]),
+        ],
+    )
