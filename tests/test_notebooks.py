@@ -16,6 +16,8 @@ def test_the_lessons_exist():
     names = [path.name for path in NOTEBOOKS]
     assert "01_static_vs_continuous.ipynb" in names
     assert "02_how_much_it_buys.ipynb" in names
+    assert "06_exercises.ipynb" in names
+    assert "07_in_30_seconds.ipynb" in names
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)

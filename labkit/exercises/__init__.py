@@ -1,0 +1,26 @@
+"""labkit.exercises: problems with instant feedback, for lesson 06.
+
+    from labkit.exercises import q1
+    q1.check(answer)     # prints a verdict and returns it: truthy only when correct
+    q1.hint(); q1.solution()
+
+q1–q5 ask to predict a number or a choice (labkit.exercises.predict); q6 asks for the
+refill step of continuous batching as a function, graded against `lk.Continuous` in the
+simulator and on the engine (labkit.exercises.policy).
+
+Invariants:
+
+- every expected answer is computed by labkit itself (simulate, theory, metrics, the
+  engine) when a check runs; no result is written down;
+- `check` never raises, whatever the answer: wrong types, strings, NaN, a function that
+  raises or returns garbage all get a verdict that names what was wrong and shows it;
+- None and Ellipsis (and a refill with no body) read as "not attempted";
+- a layer above sched, theory and traffic: importing it loads numpy only; the engine
+  (torch) is imported when q6 grades on it.
+"""
+
+from labkit.exercises.feedback import Verdict
+from labkit.exercises.policy import PolicyError, as_policy, q6
+from labkit.exercises.predict import q1, q2, q3, q4, q5
+
+__all__ = ["PolicyError", "Verdict", "as_policy", "q1", "q2", "q3", "q4", "q5", "q6"]

@@ -1,0 +1,395 @@
+"""Predict-then-run problems: iteration counts, static utilization, which traffic gains
+more, the smallest KV pool, and a token budget for a latency target.
+
+Invariants: every expected answer, and every number a verdict, hint or solution quotes,
+is computed when asked, with labkit's own simulator, theory and metrics; nothing is
+written down. A question's data are fields of a frozen dataclass (`q1.lengths`,
+`q4.trace`), so the student works on exactly what the checker grades.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from labkit import theory
+from labkit.exercises.feedback import (
+    BadAnswer,
+    Question,
+    choice,
+    correct,
+    count,
+    incorrect,
+    pair,
+    real_number,
+    whole_number,
+)
+from labkit.sched import Continuous, CostModel, Static, metrics, simulate
+from labkit.traffic import Trace
+
+
+def _num_steps(trace: Trace, policy) -> int:
+    return simulate(trace, policy).num_steps
+
+
+@dataclass(frozen=True)
+class IterationCounts(Question):
+    """Requests with these output lengths all wait at t = 0 for `num_slots` slots: how many
+    iterations do static and continuous batching take?"""
+
+    lengths: tuple[int, ...]
+    num_slots: int
+    answer_format = "(static iterations, continuous iterations), e.g. (20, 15)"
+
+    @property
+    def trace(self) -> Trace:
+        return Trace.from_lengths(self.lengths)
+
+    def expected(self) -> tuple[int, int]:
+        return (_num_steps(self.trace, Static(num_slots=self.num_slots)),
+                _num_steps(self.trace, Continuous(num_slots=self.num_slots)))
+
+    def grade(self, answer):
+        first, second = pair(answer, self.answer_format)
+        answered = whole_number(first, "static iterations"), whole_number(second, "continuous iterations")
+        static, continuous = self.expected()
+        if answered == (static, continuous):
+            return correct(f"Static batching takes {static} iterations and continuous batching {continuous}: the same "
+                           f"{sum(self.lengths)} tokens, {static - continuous} iterations fewer.")
+        if answered == (continuous, static):
+            return incorrect("You swapped them: static batching takes the larger count. Give (static, continuous).")
+        feedback = self._static_feedback(answered[0], static), self._continuous_feedback(answered[1], continuous)
+        return incorrect(" ".join(feedback))
+
+    def _lower_bound(self) -> int:
+        """Iterations if no slot ever idled: total tokens / slots, rounded up."""
+        return math.ceil(sum(self.lengths) / self.num_slots)
+
+    def _static_feedback(self, answered: int, static: int) -> str:
+        if answered == static:
+            return f"Static: {answered} is right."
+        if answered == self._lower_bound():
+            return (f"Static: you divided the total tokens by the slots ({sum(self.lengths)}/{self.num_slots}), as if "
+                    "no slot ever idled. Static batching waits for the longest request in each batch: add up the "
+                    "batch maxima.")
+        if answered == _num_steps(Trace.from_lengths(sorted(self.lengths)), Static(num_slots=self.num_slots)):
+            return "Static: you sorted the lengths first. Batches form in arrival order, as listed."
+        if answered == sum(self.lengths):
+            return (f"Static: {answered} is every token on one slot; with {self.num_slots} slots a batch runs "
+                    f"{self.num_slots} requests side by side.")
+        return (f"Static: {answered} is not it. Take the requests {self.num_slots} at a time, in order, and add up "
+                "the longest of each batch.")
+
+    def _continuous_feedback(self, answered: int, continuous: int) -> str:
+        if answered == continuous:
+            return f"Continuous: {answered} is right."
+        lower_bound = self._lower_bound()
+        if answered < lower_bound:
+            return (f"Continuous: {answered} is below {sum(self.lengths)} tokens / {self.num_slots} slots, "
+                    f"which no schedule can beat.")
+        if answered == lower_bound:
+            return (f"Continuous: {answered} is total tokens / slots, as if no slot ever idled. At the end nothing "
+                    "is left to replace a finished request, and the last ones run alone: the draining tail.")
+        return (f"Continuous: {answered} is not it. Give each freed slot to the next waiting request at the next "
+                "iteration, and count until the last request ends.")
+
+    def hint_text(self) -> str:
+        return (f"Draw {self.num_slots} rows, one per slot, and fill in one cell per token. Static: take the requests "
+                f"{self.num_slots} at a time, in order; a batch lasts as long as its longest request. Continuous: "
+                "a slot freed at the end of an iteration takes the next waiting request in the next one.")
+
+    def solution_text(self) -> str:
+        static, continuous = self.expected()
+        log = simulate(self.trace, Static(num_slots=self.num_slots))
+        batches = [np.asarray(self.lengths)[log.admit_step == step].tolist() for step in np.unique(log.admit_step)]
+        longest = " + ".join(str(max(batch)) for batch in batches)
+        return (f"Static: the batches {batches} last {longest} = {static} iterations.\n"
+                f"Continuous: {sum(self.lengths)} tokens on {self.num_slots} slots need at least "
+                f"{self._lower_bound()} iterations, and the draining tail adds {continuous - self._lower_bound()}: "
+                f"{continuous}.\n"
+                f"Run: lk.simulate(q1.trace, lk.Static(num_slots={self.num_slots})).num_steps, and the same with "
+                f"lk.Continuous.\nanswer = ({static}, {continuous})")
+
+
+@dataclass(frozen=True)
+class ExponentialUtilization(Question):
+    """Long-run utilization of static batches of `batch_size` requests with exponential output lengths."""
+
+    batch_size: int
+    answer_format = "a fraction between 0 and 1, e.g. 0.5"
+    tolerance = 0.005
+
+    def expected(self) -> float:
+        return theory.exponential_utilization(self.batch_size)
+
+    def grade(self, answer):
+        value = real_number(answer, "utilization")
+        expected, gain = self.expected(), theory.harmonic(self.batch_size)
+        if self._near(value, expected) or (1 < value <= 100 and self._near(value / 100, expected)):
+            return correct(f"1/H_{self.batch_size} = 1/{gain:.3f} = {expected:.3f}: a static batch of "
+                           f"{self.batch_size} exponential lengths keeps only {expected:.1%} of its slot-steps busy, "
+                           f"and continuous batching's ideal gain is H_{self.batch_size} = {gain:.2f}×.")
+        for scale, (candidate, message) in itertools.product((1, 100), self._mistakes()):
+            if self._near(value / scale, candidate):
+                return incorrect(f"{value:g}: {message}")
+        if not 0 < value <= 100:
+            return incorrect(f"{value:g}: a utilization is a share of slot-steps, between 0 and 1 (or 0 and 100%).")
+        return incorrect(f"{value:g} is not it. {self.hint_text()}")
+
+    def _near(self, value: float, target: float) -> bool:
+        return math.isclose(value, target, abs_tol=self.tolerance)
+
+    def _mistakes(self) -> list[tuple[float, str]]:
+        """(value, what it means) for answers students often give."""
+        size, gain = self.batch_size, theory.harmonic(self.batch_size)
+        mistakes = [
+            (gain, f"that is H_{size} = {gain:.3f}, the ideal gain of continuous over static batching. Utilization "
+                   "is useful slot-steps over all slot-steps: the inverse."),
+            (1 - 1 / gain, f"that is 1 − 1/H_{size}, the share of slot-steps a static batch leaves idle. "
+                           "Utilization is the useful share."),
+            (1.0, "you counted the idle slot-steps as useful. In a static batch, the slots of requests that finish "
+                  "early sit idle until the longest one ends."),
+            (1 / size, f"1/{size} would mean one request did all the work of each batch. The longest of {size} "
+                       f"exponential lengths is H_{size} = {gain:.2f} times the mean, not {size} times."),
+        ]
+        return mistakes + [(theory.exponential_utilization(other), f"that is 1/H_{other}, for batches of {other}; "
+                            f"here B = {size}.") for other in (8, 32) if other != size]
+
+    def hint_text(self) -> str:
+        return ("Over many batches, static utilization is E[L] / E[max of B lengths]. For exponential lengths, "
+                "E[max of B] = H_B · E[L], where H_B = 1 + 1/2 + … + 1/B (lk.theory.harmonic).")
+
+    def solution_text(self) -> str:
+        size = self.batch_size
+        return (f"For exponential lengths E[max of {size}] = H_{size} · E[L], so U = E[L] / E[max] = 1/H_{size}.\n"
+                f"H_{size} = {theory.harmonic(size):.4f} (lk.theory.harmonic({size})), so U = {self.expected():.4f}.\n"
+                f"answer = lk.theory.exponential_utilization({size})")
+
+
+_REASONS = (
+    "It has more tokens in total, so there is more work to pack into the slots.",
+    "Its requests are longer on average, so each static batch lasts longer.",
+    "Its lengths vary more relative to their mean: a static batch lasts as long as its longest request, so "
+    "E[max of B] / E[L] is larger.",
+    "It has more requests, so the queue stays full for longer.",
+)
+_SPREAD_REASON = 3
+
+
+@dataclass(frozen=True)
+class WhichGainsMore(Question):
+    """Two backlogged traces on `num_slots` slots: which gains more from continuous batching, and why?"""
+
+    num_slots: int
+    answer_format = '(trace, reason), e.g. ("P", 1)'
+
+    @property
+    def traces(self) -> dict[str, Trace]:
+        return {
+            "P": Trace.sample(300, output="uniform", mean_output=96, prompt="none", seed=1),
+            "Q": Trace.sample(200, output="exponential", mean_output=32, prompt="none", seed=2),
+        }
+
+    @property
+    def reasons(self) -> dict[int, str]:
+        return dict(enumerate(_REASONS, start=1))
+
+    def gains(self) -> dict[str, float]:
+        """Static steps / continuous steps for each trace."""
+        return {name: _num_steps(trace, Static(num_slots=self.num_slots)) /
+                _num_steps(trace, Continuous(num_slots=self.num_slots)) for name, trace in self.traces.items()}
+
+    def grade(self, answer):
+        first, second = pair(answer, self.answer_format)
+        trace = choice(first, tuple(self.traces), "trace")
+        reason = int(choice(second, tuple(str(r) for r in self.reasons), "reason"))
+        gains = self.gains()
+        winner = max(gains, key=gains.get)
+        other = self._other(winner)
+        if trace == winner and reason == _SPREAD_REASON:
+            return correct(f"{winner} gains {gains[winner]:.2f}× and {other} only {gains[other]:.2f}× "
+                           f"(static steps / continuous steps on {self.num_slots} slots). E[max of "
+                           f"{self.num_slots}] / E[L] is {self._ideal_gain(winner):.2f} for {winner} and "
+                           f"{self._ideal_gain(other):.2f} for {other}: the gain follows the spread of the lengths, "
+                           "not their size or number.")
+        if reason == _SPREAD_REASON:
+            return incorrect(f"Reason {reason} is the right idea; now apply it. Whose lengths vary more relative to "
+                             "their mean? Compare std / mean of each trace's output_lengths.")
+        if trace != winner:
+            return incorrect(f"{self._fact(reason, trace)} and {self._fact(reason, winner)}, but that is not what the "
+                             "gain depends on. Simulate both and compare static steps / continuous steps.")
+        return incorrect(f"{winner} is the right trace, but reason {reason} can't be why: "
+                         f"{self._fact(reason, winner)} and {self._fact(reason, other)}.")
+
+    def _other(self, name: str) -> str:
+        return next(other for other in self.traces if other != name)
+
+    def _ideal_gain(self, name: str) -> float:
+        return theory.ideal_gain(self.traces[name].output_lengths, self.num_slots)
+
+    def _fact(self, reason: int, name: str) -> str:
+        """What `reason` says about trace `name`, in numbers."""
+        lengths = self.traces[name].output_lengths
+        if reason == 1:
+            return f"{name} has {lengths.sum():,} tokens in total"
+        if reason == 2:
+            return f"{name}'s requests average {lengths.mean():.1f} tokens"
+        return f"{name} has {len(lengths)} requests"
+
+    def hint_text(self) -> str:
+        return ("A static batch lasts as long as its longest request, so its waste depends on how far the lengths "
+                "in a batch spread, not on how long they are. Compare std / mean of each trace's lengths, or "
+                "lk.theory.ideal_gain(lengths, B).")
+
+    def solution_text(self) -> str:
+        gains = self.gains()
+        lines = [f"{name}: {len(t)} requests, mean {t.output_lengths.mean():.1f}, std / mean "
+                 f"{t.output_lengths.std() / t.output_lengths.mean():.2f}, E[max of {self.num_slots}] / E[L] = "
+                 f"{self._ideal_gain(name):.2f}, simulated gain {gains[name]:.2f}×" for name, t in self.traces.items()]
+        winner = max(gains, key=gains.get)
+        return "\n".join([*lines, f"answer = ({winner!r}, {_SPREAD_REASON})"])
+
+
+@dataclass(frozen=True)
+class SmallestPool(Question):
+    """The smallest KV pool, in blocks, that serves this trace under continuous batching without a preemption."""
+
+    output_lengths: tuple[int, ...]
+    prompt_lengths: tuple[int, ...]
+    num_slots: int
+    block_size: int
+    answer_format = "a whole number of blocks, e.g. 12"
+
+    @property
+    def trace(self) -> Trace:
+        return Trace.from_lengths(self.output_lengths, prompt_lengths=self.prompt_lengths)
+
+    def policy(self, num_blocks: int) -> Continuous:
+        return Continuous(num_slots=self.num_slots, num_blocks=num_blocks, block_size=self.block_size)
+
+    def num_preemptions(self, num_blocks: int) -> int | None:
+        """Preemptions with a pool of `num_blocks`, or None when some request can never fit it."""
+        try:
+            return simulate(self.trace, self.policy(num_blocks)).num_preemptions
+        except ValueError:
+            return None
+
+    def expected(self) -> int:
+        return next(n for n in itertools.count(1) if self.num_preemptions(n) == 0)
+
+    def fewest_that_fit(self) -> int:
+        """The smallest pool that can hold every request, one at a time."""
+        return next(n for n in itertools.count(1) if self.num_preemptions(n) is not None)
+
+    def _never_binding(self) -> int:
+        """A pool that holds every request's longest sequence at once (1 + prompt + outputs but the last)."""
+        tokens = np.add(self.prompt_lengths, self.output_lengths)
+        return int(np.sum(-(-tokens // self.block_size)))
+
+    def grade(self, answer):
+        num_blocks = whole_number(answer, "num_blocks")
+        if num_blocks < 1:
+            raise BadAnswer(f"num_blocks = {num_blocks}: a pool holds at least 1 block.")
+        smallest = self.expected()
+        if num_blocks == smallest:
+            one_fewer = self.num_preemptions(smallest - 1)
+            return correct(f"A pool of {smallest} blocks serves the trace without a preemption; with "
+                           f"{smallest - 1} the scheduler preempts {count(one_fewer, 'time')}.")
+        try:  # beyond a pool that never binds, the schedule is the same: simulate that one
+            preemptions = simulate(self.trace, self.policy(min(num_blocks, self._never_binding()))).num_preemptions
+        except ValueError as error:
+            return incorrect(f"A pool of {num_blocks} blocks can't serve this trace at all: {error}.")
+        if not preemptions:
+            return incorrect(f"A pool of {num_blocks} blocks serves the trace without a preemption, but a smaller "
+                             "pool does too. Keep shrinking it.")
+        message = (f"A pool of {num_blocks} blocks preempts {count(preemptions, 'time')} "
+                   f"(lk.simulate(q4.trace, q4.policy({num_blocks})).num_preemptions).")
+        if num_blocks == self.fewest_that_fit():
+            message += (" That is what the largest request needs alone: enough to admit every request, not to run "
+                        f"{self.num_slots} side by side while their caches grow.")
+        return incorrect(message)
+
+    def hint_text(self) -> str:
+        return ("Search: for each num_blocks, lk.simulate(q4.trace, q4.policy(num_blocks)).num_preemptions. Start "
+                "from the largest request's need, or from the peak of a run whose pool never binds "
+                "(num_blocks_used.max(), lesson 04), which surely needs no preemption.")
+
+    def solution_text(self) -> str:
+        smallest = self.expected()
+        rows = [f"{n:10}  {self.num_preemptions(n):11}" for n in range(self.fewest_that_fit(), smallest + 1)]
+        return "\n".join(["num_blocks  preemptions", *rows,
+                          f"Smaller pools cannot hold the largest request. answer = {smallest}"])
+
+
+@dataclass(frozen=True)
+class TokenBudget(Question):
+    """Which token budget (max_tokens_per_step, chunked prefill) meets an ITL p99 target at the highest throughput?"""
+
+    budgets: tuple[int, ...]
+    itl_p99_target_ms: float
+    num_slots: int
+    answer_format = "one budget from q5.budgets, e.g. 128"
+
+    @property
+    def trace(self) -> Trace:
+        return Trace.sample(120, output="exponential", mean_output=32, prompt="uniform", mean_prompt=384,
+                            rate=20.0, seed=5)
+
+    def policy(self, budget: int) -> Continuous:
+        return Continuous(num_slots=self.num_slots, max_tokens_per_step=budget, chunked_prefill=True)
+
+    def measure(self, budget: int) -> tuple[float, float]:
+        """(ITL p99 in ms, tokens/s) with `budget`, step times from the default CostModel."""
+        log = simulate(self.trace, self.policy(budget), cost=CostModel())
+        return 1000 * metrics.percentile(metrics.itl(log), 99), log.tokens_per_second
+
+    def expected(self) -> int:
+        results = {budget: self.measure(budget) for budget in self.budgets}
+        meeting = [budget for budget, (itl, _) in results.items() if itl <= self.itl_p99_target_ms]
+        return max(meeting, key=lambda budget: results[budget][1])
+
+    def grade(self, answer):
+        budget = whole_number(answer, "budget")
+        if budget not in self.budgets:
+            raise BadAnswer(f"budget = {budget}: choose one of {self.budgets}.")
+        itl, throughput = self.measure(budget)
+        target = self.itl_p99_target_ms
+        if budget == self.expected():
+            return correct(f"Budget {budget}: ITL p99 {itl:.1f} ms ≤ {target:g} ms at {throughput:,.0f} tokens/s. "
+                           f"{self._next_budget_up(budget)}")
+        if itl > target:
+            return incorrect(f"Budget {budget} gives ITL p99 {itl:.1f} ms, above the {target:g} ms target: a step may "
+                             f"carry up to {budget} prompt tokens, and every decode in it waits for them.")
+        return incorrect(f"Budget {budget} meets the target (ITL p99 {itl:.1f} ms) at {throughput:,.0f} tokens/s, but "
+                         "another budget on the list meets it too and serves more tokens per second.")
+
+    def _next_budget_up(self, budget: int) -> str:
+        larger = [b for b in self.budgets if b > budget]
+        if not larger:
+            return ""
+        return f"The next budget up, {min(larger)}, has ITL p99 {self.measure(min(larger))[0]:.1f} ms."
+
+    def hint_text(self) -> str:
+        return ("For each budget in q5.budgets, run lk.simulate(q5.trace, q5.policy(budget), cost=lk.CostModel()); "
+                "ITL p99 in ms is 1000 * lk.metrics.percentile(lk.metrics.itl(log), 99), throughput is "
+                "log.tokens_per_second. Keep the budgets that meet the target, then take the fastest.")
+
+    def solution_text(self) -> str:
+        rows = []
+        for budget in self.budgets:
+            itl, throughput = self.measure(budget)
+            meets = "yes" if itl <= self.itl_p99_target_ms else "no"
+            rows.append(f"{budget:6}  {itl:11.1f}  {throughput:8,.0f}  {meets}")
+        return "\n".join([f"budget  ITL p99 (ms)  tokens/s  meets {self.itl_p99_target_ms:g} ms", *rows,
+                          f"answer = {self.expected()}"])
+
+
+q1 = IterationCounts(lengths=(5, 1, 4, 7, 2, 2, 6, 3), num_slots=3)
+q2 = ExponentialUtilization(batch_size=16)
+q3 = WhichGainsMore(num_slots=8)
+q4 = SmallestPool(output_lengths=(20, 7, 3, 7, 10, 19, 11, 3), prompt_lengths=(13, 12, 16, 3, 14, 0, 9, 4),
+                  num_slots=4, block_size=4)
+q5 = TokenBudget(budgets=(64, 128, 256, 512, 1024, 2048), itl_p99_target_ms=40.0, num_slots=16)

@@ -1,0 +1,365 @@
+"""Exercises: right answers pass, typical mistakes get their own hint, stubs read as not
+attempted, and no answer, however odd, makes a check raise. Expected values come from
+the library; the write-a-policy grader is checked with the reference and negative controls,
+in the simulator and on the engine."""
+
+import math
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import labkit as lk
+from labkit.exercises import PolicyError, as_policy, q1, q2, q3, q4, q5, q6
+from labkit.exercises.feedback import CORRECT, INCORRECT, NOT_ATTEMPTED, Verdict
+from labkit.exercises.policy import admit_newest_first, grading_cases, refill_a_step_late
+from labkit.exercises.predict import IterationCounts
+
+QUESTIONS = [q1, q2, q3, q4, q5, q6]
+
+
+def reference_refill(state):
+    finished = state.finished_in_slots()
+    admit = state.waiting_head(state.num_free_slots() + len(finished))
+    return lk.Decision(release=tuple(r.id for r in finished), admit=tuple(r.id for r in admit))
+
+
+def refill_stub(state):
+    """A student's cell before they write the body."""
+
+
+def never_releases(state):
+    return lk.Decision(admit=tuple(r.id for r in state.waiting_head(state.num_free_slots())))
+
+
+def one_at_a_time(state):
+    """Negative control for the generic diagnosis: admits at most one request per decision."""
+    finished = state.finished_in_slots()
+    admit = state.waiting_head(min(1, state.num_free_slots() + len(finished)))
+    return lk.Decision(release=tuple(r.id for r in finished), admit=tuple(r.id for r in admit))
+
+
+def _steps(trace, policy):
+    return lk.simulate(trace, policy).num_steps
+
+
+# Expected answers, from the library
+
+
+def test_the_toy_counts_are_lesson_01s():
+    assert IterationCounts(lengths=tuple(lk.Trace.toy().output_lengths), num_slots=2).expected() == (23, 17)
+
+
+def test_q1_expects_what_the_simulator_counts():
+    trace = lk.Trace.from_lengths(q1.lengths)
+    assert q1.expected() == (_steps(trace, lk.Static(num_slots=3)), _steps(trace, lk.Continuous(num_slots=3)))
+    assert q1.expected() == (18, 12)
+
+
+def test_q2_expects_one_over_h16():
+    assert q2.expected() == pytest.approx(1 / sum(1 / k for k in range(1, 17)))
+
+
+def test_q3_expects_the_trace_whose_simulated_gain_is_larger():
+    gains = q3.gains()
+    for name, trace in q3.traces.items():
+        assert gains[name] == _steps(trace, lk.Static(num_slots=8)) / _steps(trace, lk.Continuous(num_slots=8))
+    assert gains["Q"] > gains["P"]
+
+
+def test_q4_expects_the_smallest_pool_without_preemption():
+    smallest = q4.expected()
+    assert lk.simulate(q4.trace, q4.policy(smallest)).num_preemptions == 0
+    assert lk.simulate(q4.trace, q4.policy(smallest - 1)).num_preemptions > 0
+    for num_blocks in range(q4.fewest_that_fit(), smallest):
+        assert q4.num_preemptions(num_blocks) > 0
+    with pytest.raises(ValueError, match="more than the whole pool"):
+        lk.simulate(q4.trace, q4.policy(q4.fewest_that_fit() - 1))
+
+
+def test_q5_expects_the_fastest_budget_within_the_itl_target():
+    def measured(budget):
+        log = lk.simulate(q5.trace, q5.policy(budget), cost=lk.CostModel())
+        return 1000 * np.percentile(lk.metrics.itl(log), 99), log.tokens_per_second
+
+    results = {budget: measured(budget) for budget in q5.budgets}
+    meeting = [b for b in q5.budgets if results[b][0] <= q5.itl_p99_target_ms]
+    assert q5.expected() == max(meeting, key=lambda b: results[b][1])
+    assert min(meeting) < q5.expected() < max(q5.budgets)  # neither end of the list: the question has a trade-off
+
+
+# Verdicts
+
+
+RIGHT_ANSWERS = [
+    (q1, lambda: q1.expected()),
+    (q1, lambda: list(map(float, q1.expected()))),
+    (q2, lambda: q2.expected()),
+    (q2, lambda: round(q2.expected(), 2)),
+    (q2, lambda: 100 * q2.expected()),
+    (q3, lambda: ("Q", 3)),
+    (q3, lambda: ("q", "3")),
+    (q4, lambda: q4.expected()),
+    (q5, lambda: q5.expected()),
+    (q6, lambda: reference_refill),
+]
+
+
+@pytest.mark.parametrize("question, answer", RIGHT_ANSWERS)
+def test_right_answers_pass(question, answer):
+    verdict = question.verdict(answer())
+    assert verdict.status == CORRECT and verdict, verdict.message
+
+
+def _wrong_answers():
+    static, continuous = q1.expected()
+    lower_bound = math.ceil(sum(q1.lengths) / q1.num_slots)
+    gain = lk.theory.harmonic(16)
+    meeting_but_slower = min(q5.budgets)
+    too_slow = max(q5.budgets)
+    return [
+        (q1, (continuous, static), "swapped"),
+        (q1, (lower_bound, continuous), "divided the total tokens by the slots"),
+        (q1, (static, lower_bound), "draining tail"),
+        (q1, (sum(q1.lengths), continuous), "one slot"),
+        (q1, (static, lower_bound - 1), "no schedule can beat"),
+        (q1, (static + 1, continuous), "add up the longest of each batch"),
+        (q2, gain, "ideal gain"),
+        (q2, 1 - 1 / gain, "idle"),
+        (q2, 1.0, "counted the idle slot-steps as useful"),
+        (q2, 1 / 16, "one request did all the work"),
+        (q2, lk.theory.exponential_utilization(8), "batches of 8"),
+        (q2, 0.5, "E[max of B] = H_B"),
+        (q2, -0.3, "between 0 and 1"),
+        (q3, ("P", 3), "right idea"),
+        (q3, ("P", 1), "not what the gain depends on"),
+        (q3, ("Q", 2), "can't be why"),
+        (q3, ("Q", 4), "200 requests"),
+        (q4, q4.fewest_that_fit(), "largest request needs alone"),
+        (q4, q4.expected() - 1, "preempts"),
+        (q4, q4.expected() + 5, "a smaller pool does too"),
+        (q4, 10**12, "a smaller pool does too"),
+        (q4, q4.fewest_that_fit() - 1, "can't serve this trace at all"),
+        (q4, 0, "at least 1 block"),
+        (q5, too_slow, "above the 40 ms target"),
+        (q5, meeting_but_slower, "another budget on the list"),
+        (q5, 100, "choose one of"),
+    ]
+
+
+@pytest.mark.parametrize("question, answer, hint", _wrong_answers())
+def test_typical_mistakes_get_their_own_hint(question, answer, hint):
+    verdict = question.verdict(answer)
+    assert verdict.status == INCORRECT and not verdict
+    assert hint in verdict.message
+
+
+JUNK = [
+    "18, 12",
+    "0.3",
+    float("nan"),
+    float("inf"),
+    True,
+    np.bool_(False),
+    3 + 4j,
+    [1, 2, 3],
+    ("a", "b"),
+    (1.5, 2),
+    (float("nan"), 12),
+    {"static": 18},
+    object(),
+    np.array([[18, 12]]),
+    np.float64(0.3),
+    b"bytes",
+    print,
+]
+
+
+@pytest.mark.parametrize("answer", JUNK, ids=repr)
+@pytest.mark.parametrize("question", QUESTIONS[:5], ids=["q1", "q2", "q3", "q4", "q5"])
+def test_junk_gets_a_message_that_shows_it(question, answer):
+    verdict = question.verdict(answer)
+    assert verdict.status in (INCORRECT, CORRECT)
+    if verdict.status == INCORRECT:
+        assert verdict.message
+
+
+@pytest.mark.parametrize("answer, shown", [("18, 12", "'18, 12' (a str)"), ((True, 1), "True (a bool)"),
+                                           ((18, float("nan")), "nan is not a finite number"),
+                                           ((18, 12.5), "12.5 is not a whole number")])
+def test_unreadable_answers_name_the_value(answer, shown):
+    assert shown in q1.verdict(answer).message
+
+
+def test_a_string_number_is_told_to_drop_its_quotes():
+    assert "without quotes" in q2.verdict("0.3").message
+
+
+class Hostile:
+    """An object whose every dunder raises."""
+
+    def __repr__(self):
+        raise RuntimeError("no repr")
+
+    def __len__(self):
+        raise RuntimeError("no len")
+
+    def __eq__(self, other):
+        raise RuntimeError("no eq")
+
+    def __float__(self):
+        raise RuntimeError("no float")
+
+    __hash__ = None
+
+
+@pytest.mark.parametrize("question", QUESTIONS, ids=["q1", "q2", "q3", "q4", "q5", "q6"])
+def test_a_hostile_object_gets_a_verdict(question):
+    assert question.verdict(Hostile()).status == INCORRECT
+
+
+ANYTHING = st.recursive(
+    st.one_of(st.none(), st.just(...), st.booleans(), st.integers(), st.floats(), st.text(max_size=4),
+              st.binary(max_size=4), st.complex_numbers(), st.decimals(), st.fractions(), st.builds(object)),
+    lambda inner: st.one_of(st.lists(inner, max_size=3), st.tuples(inner, inner),
+                            st.dictionaries(st.text(max_size=2), inner, max_size=2)),
+    max_leaves=6,
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(answer=ANYTHING)
+def test_no_answer_makes_a_check_raise(answer):
+    for question in QUESTIONS:
+        assert isinstance(question.verdict(answer), Verdict)
+
+
+@settings(max_examples=40, deadline=None)
+@given(refill=st.functions(like=lambda state: None, returns=ANYTHING | st.builds(lk.Decision, admit=st.tuples(
+    st.integers(-2, 20)), release=st.tuples(st.integers(-2, 20)), blocked=st.text(max_size=3))))
+def test_no_refill_function_makes_the_grader_raise(refill):
+    assert not q6.verdict(refill)
+
+
+def test_check_prints_the_verdict_and_returns_it(capsys):
+    verdict = q1.check(q1.expected())
+    assert capsys.readouterr().out == f"{verdict}\n"
+    assert str(verdict).startswith("✅ Correct.")
+
+
+@pytest.mark.parametrize("stub", [None, ..., (None, None), [..., ...]], ids=repr)
+@pytest.mark.parametrize("question", QUESTIONS, ids=["q1", "q2", "q3", "q4", "q5", "q6"])
+def test_stubs_are_not_attempted(question, stub, capsys):
+    verdict = question.check(stub)
+    assert verdict.status == NOT_ATTEMPTED and not verdict
+    assert "Not attempted yet" in capsys.readouterr().out
+
+
+def raises_not_implemented(state):
+    raise NotImplementedError
+
+
+@pytest.mark.parametrize("stub", [refill_stub, raises_not_implemented])
+def test_a_refill_without_a_body_is_not_attempted(stub):
+    assert q6.verdict(stub).status == NOT_ATTEMPTED
+
+
+def test_hints_and_solutions_quote_the_library(capsys):
+    for question in QUESTIONS:
+        question.hint()
+        assert capsys.readouterr().out.startswith("💡 ")
+    q1.solution()
+    assert f"answer = {q1.expected()}" in capsys.readouterr().out
+    q4.solution()
+    assert f"answer = {q4.expected()}" in capsys.readouterr().out
+    q5.solution()
+    assert f"answer = {q5.expected()}" in capsys.readouterr().out
+
+
+def test_exercises_load_no_heavy_library():
+    code = "import sys, labkit.exercises; print(sorted({'torch', 'plotly', 'ipywidgets'} & set(sys.modules)))"
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert loaded.strip() == "[]"
+
+
+# Write-a-policy: the wrapper and the grader
+
+
+def test_a_refill_function_drives_the_simulator_as_continuous_does():
+    toy = lk.Trace.toy()
+    mine = lk.simulate(toy, as_policy(reference_refill, num_slots=2))
+    assert mine.num_steps == 17
+    assert np.array_equal(mine.slots, lk.simulate(toy, lk.Continuous(num_slots=2)).slots)
+
+
+@pytest.mark.parametrize("refill, num_slots, message", [
+    (3, 2, "refill = 3 (an int)"), (reference_refill, 0, "num_slots = 0"), (reference_refill, 1.5, "num_slots = 1.5")])
+def test_as_policy_refuses_bad_arguments(refill, num_slots, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        as_policy(refill, num_slots)
+
+
+def _decides(decision):
+    return lambda state: decision
+
+
+@pytest.mark.parametrize("refill, message", [
+    (_decides(lk.Decision(admit=(0,), num_tokens={0: 1})), "leave them at their defaults"),
+    (_decides(lk.Decision(admit=[99])), "request 99, which is not waiting"),
+    (_decides(lk.Decision(admit=(0, 0))), "names a request twice"),
+    (_decides(lk.Decision(admit=0)), "must be a tuple of request ids"),
+    (_decides(lk.Decision(admit=("0",))), "takes request ids"),
+    (_decides(lk.Decision(release=(0,))), "request 0, which holds no slot"),
+    (_decides(lk.Decision(admit=(0, 1, 2))), "only 2 slots free"),
+    (_decides(lk.Decision(blocked=None)), "Decision.blocked = None"),
+    (_decides(lk.Decision()), "releases and admits nobody while nothing runs and the queue holds 8 requests"),
+    (lambda state: lk.Decision(admit=tuple(state.waiting)[:2]), "holds Request objects"),
+    (lambda state: "admit everyone", "not a lk.Decision"),
+])
+def test_a_refill_breaking_the_rules_stops_the_run_with_a_clear_error(refill, message):
+    with pytest.raises(PolicyError, match=re.escape(message)):
+        lk.simulate(lk.Trace.toy(), as_policy(refill, num_slots=2))
+
+
+def test_releasing_a_running_request_is_refused():
+    def releases_everyone(state):
+        return lk.Decision(release=tuple(r.id for r in state.slots if r is not None),
+                           admit=tuple(r.id for r in state.waiting_head(state.num_free_slots())))
+
+    with pytest.raises(PolicyError, match="has not finished"):
+        lk.simulate(lk.Trace.toy(), as_policy(releases_everyone, num_slots=2))
+
+
+def test_grading_cases_are_seeded_and_varied():
+    cases = grading_cases()
+    again = grading_cases()
+    assert all(np.array_equal(t.output_lengths, u.output_lengths) and n == m for (t, n), (u, m) in zip(cases, again))
+    assert any(t.arrivals.max() > 0 for t, _ in cases) and any(t.arrivals.max() == 0 for t, _ in cases)
+    assert all(len(t) > n for t, n in cases)  # a queue forms in every case: admission order matters
+
+
+@pytest.mark.parametrize("mistake, hint", [
+    (admit_newest_first, "newest waiting request first"),
+    (refill_a_step_late, "A freed slot stays idle for one step"),
+    (never_releases, "release the finished requests"),
+    (one_at_a_time, "oldest first, into every free slot"),
+])
+def test_wrong_refill_steps_fail_in_the_simulator_with_their_hint(mistake, hint):
+    verdict = q6.on_simulator(mistake)
+    assert verdict.status == INCORRECT and hint in verdict.message
+
+
+def test_the_reference_passes_in_the_simulator():
+    assert q6.on_simulator(reference_refill)
+
+
+def test_the_reference_passes_on_the_engine_and_a_wrong_one_fails():
+    passed = q6.on_engine(reference_refill)
+    assert passed and "the same slots and the same" in passed.message
+    failed = q6.on_engine(admit_newest_first)
+    assert not failed and failed.message.startswith("On the engine")
+    assert "newest waiting request first" in failed.message

@@ -1,0 +1,101 @@
+"""The student edition: solution regions go, stubs stay, and the copy runs with every
+check saying "not attempted"."""
+
+import importlib.util
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+ROOT = Path(__file__).resolve().parents[1]
+EXERCISES = ROOT / "notebooks" / "06_exercises.ipynb"
+_spec = importlib.util.spec_from_file_location("make_student", ROOT / "tools" / "make_student.py")
+make_student = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(make_student)
+
+CELL = """answer = None  # your answer
+### BEGIN SOLUTION
+answer = (23, 17)
+### END SOLUTION
+q1.check(answer)"""
+
+FUNCTION = '''def refill(state):
+    """Docstring stays."""
+    ### BEGIN SOLUTION
+    return lk.Decision()
+    ### END SOLUTION
+
+
+q6.check(refill)'''
+
+
+def test_a_solution_region_goes_and_its_stub_stays():
+    assert make_student.strip_solutions(CELL) == "answer = None  # your answer\nq1.check(answer)"
+
+
+def test_an_indented_region_goes_with_its_markers():
+    stripped = make_student.strip_solutions(FUNCTION)
+    assert stripped == 'def refill(state):\n    """Docstring stays."""\n\n\nq6.check(refill)'
+    compile(stripped, "cell", "exec")
+
+
+def test_code_without_markers_is_unchanged():
+    assert make_student.strip_solutions("x = 1\n\ny = 2") == "x = 1\n\ny = 2"
+
+
+@pytest.mark.parametrize("source, message", [
+    ("### BEGIN SOLUTION\nx = 1", "without '### END SOLUTION' after it"),
+    ("x = 1\n### END SOLUTION", "line 2: '### END SOLUTION' without"),
+    ("### BEGIN SOLUTION\n### BEGIN SOLUTION\n### END SOLUTION", "line 2: '### BEGIN SOLUTION' inside"),
+])
+def test_unpaired_markers_are_refused_with_their_line(source, message):
+    with pytest.raises(ValueError, match=message):
+        make_student.strip_solutions(source)
+
+
+@pytest.fixture(scope="module")
+def lessons():
+    return nbformat.read(EXERCISES, as_version=4), nbformat.read(EXERCISES, as_version=4)
+
+
+def test_the_student_copy_of_06_has_stubs_and_no_solutions(lessons):
+    instructor, pristine = lessons
+    student = make_student.student_copy(instructor)
+    assert instructor == pristine  # the lesson itself is untouched
+    solved = [i for i, cell in enumerate(instructor.cells) if make_student.BEGIN in cell.source]
+    assert len(solved) == 6
+    for index in solved:
+        source = student.cells[index].source
+        assert make_student.BEGIN not in source and make_student.END not in source
+        assert "check(" in source
+    assert "answer = None" in student.cells[solved[0]].source
+    assert "answer = (18, 12)" not in student.cells[solved[0]].source
+    assert "waiting_head" not in student.cells[solved[-1]].source
+    code = [cell for cell in student.cells if cell.cell_type == "code"]
+    assert all(cell.outputs == [] and cell.execution_count is None for cell in code)
+    assert [c.source for c in student.cells if c.cell_type == "markdown"] == [
+        c.source for c in instructor.cells if c.cell_type == "markdown"]
+
+
+def test_make_student_writes_a_copy_of_each_lesson_with_solutions_and_drops_stale_ones(tmp_path, monkeypatch):
+    monkeypatch.setattr(make_student, "STUDENT_DIR", tmp_path)
+    (tmp_path / "renamed_lesson.ipynb").write_text("{}")
+    make_student.main([])
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "01_static_vs_continuous.ipynb", "02_how_much_it_buys.ipynb", "04_kv_memory_and_preemption.ipynb",
+        "05_chunked_prefill_and_latency.ipynb", "06_exercises.ipynb",
+    ]
+
+
+def test_the_student_copy_of_06_runs_and_every_check_says_not_attempted(lessons):
+    instructor, _ = lessons
+    student = make_student.student_copy(instructor)
+    NotebookClient(student, timeout=300, kernel_name="python3",
+                   resources={"metadata": {"path": str(EXERCISES.parent)}}).execute()  # raises if a cell fails
+    solved = [i for i, cell in enumerate(instructor.cells) if make_student.BEGIN in cell.source]
+    for index in solved:
+        text = "".join(output.get("text", "") for output in student.cells[index].outputs)
+        assert text.startswith("⏳ Not attempted yet."), text
+    errors = [o for cell in student.cells if cell.cell_type == "code" for o in cell.outputs if o.output_type == "error"]
+    assert errors == []
