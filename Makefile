@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: lab test bench notebooks clean
+.PHONY: lab test bench notebooks student present clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,8 @@ lab: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest
+	$(PY) tools/make_student.py
+	$(PY) -m pytest --nbval-lax build/student
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_simulate.py
@@ -29,6 +31,18 @@ bench: $(STAMP)
 
 notebooks: $(STAMP)
 	$(PY) tools/run_notebooks.py
+
+# Student edition: lessons with their solution regions removed, in build/student/.
+student: $(STAMP)
+	$(PY) tools/make_student.py
+
+# Lesson 01 as a Voilà dashboard (outputs only, widgets live) for projecting in class.
+$(VENV)/.present: $(STAMP)
+	$(PY) -m pip install --quiet -e ".[present]"
+	touch $@
+
+present: $(VENV)/.present
+	$(VENV)/bin/voila notebooks/01_static_vs_continuous.ipynb --no-browser
 
 clean:
 	rm -rf $(VENV) build *.egg-info

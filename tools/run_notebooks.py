@@ -3,9 +3,12 @@
 Usage: python tools/run_notebooks.py [notebooks/01_*.ipynb ...]   (default: every lesson)
 
 Committed lessons keep outputs and execution counts (nbval compares them) but no
-`metadata.widgets`, which would store megabytes of widget JavaScript.
+`metadata.widgets`, which would store megabytes of widget JavaScript. nbstripout removes it
+(and the run's timestamps) with the flags of the pre-commit hook, so the hook leaves a freshly
+run lesson as it is.
 """
 
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -14,6 +17,7 @@ import nbformat
 from nbclient import NotebookClient
 
 ROOT = Path(__file__).resolve().parents[1]
+STRIP_FLAGS = ["--keep-output", "--keep-count", "--keep-id"]  # as in .pre-commit-config.yaml
 
 
 def run(path: Path) -> float:
@@ -21,8 +25,8 @@ def run(path: Path) -> float:
     start = time.perf_counter()
     NotebookClient(notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}).execute()
     seconds = time.perf_counter() - start
-    notebook.metadata.pop("widgets", None)
     nbformat.write(notebook, path)
+    subprocess.run([sys.executable, "-m", "nbstripout", *STRIP_FLAGS, str(path)], check=True)
     return seconds
 
 
