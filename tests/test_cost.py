@@ -5,6 +5,8 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import labkit as lk
 from labkit.sched.cost import CostFit, CostModel
@@ -208,3 +210,18 @@ def test_fixed_step_logs_have_no_kv_reads_to_fit():
 def test_simulate_refuses_a_cost_that_is_not_a_cost_model():
     with pytest.raises(ValueError, match="cost = 0.01: must be a labkit.CostModel"):
         lk.simulate(ARRIVING, BUDGETED, cost=0.01)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    num_requests=st.integers(1, 64),
+    first_num_kv_tokens=st.integers(0, 10_000),
+    seconds=st.floats(-1.0, 50.0),
+    max_steps=st.integers(1, 400),
+)
+def test_a_decode_run_in_closed_form_matches_its_steps_summed(num_requests, first_num_kv_tokens, seconds, max_steps):
+    per_step = KNOWN.decode_run_seconds(num_requests, first_num_kv_tokens, max_steps)
+    assert KNOWN.decode_run_total(num_requests, first_num_kv_tokens, max_steps) == pytest.approx(per_step.sum())
+    elapsed = np.cumsum(per_step)
+    expected = min(max_steps, int(np.searchsorted(elapsed, seconds)) + 1)  # the step during which they pass
+    assert KNOWN.decode_run_length(num_requests, first_num_kv_tokens, seconds, max_steps) == expected

@@ -359,15 +359,25 @@ def prompted_traces(draw):
     return lk.Trace.from_lengths(lengths, prompt_lengths=prompts, arrivals=np.cumsum(gaps))
 
 
-@settings(max_examples=80, deadline=None)
-@given(trace=prompted_traces(), policy=knobs())
-def test_with_every_knob_each_request_emits_exactly_its_length(trace, policy):
+TIMINGS = [  # a constant step, and a cost model whose steps differ by their work
+    {"step_time": 0.1},
+    {"cost": lk.CostModel(overhead=0.01, per_prefill_token=0.002, per_decode_token=0.003, per_kv_token=1e-4)},
+]
+
+
+@settings(max_examples=120, deadline=None)
+@given(trace=prompted_traces(), policy=knobs(), timing=st.sampled_from(TIMINGS))
+def test_with_every_knob_each_request_emits_exactly_its_length(trace, policy, timing):
     try:
-        jumped = lk.simulate(trace, policy, step_time=0.1)
+        jumped = lk.simulate(trace, policy, **timing)
     except ValueError:  # a request that can never fit this policy is refused up front
         return
-    stepped = lk.simulate(trace, policy, step_time=0.1, on_step=lambda log: None)
+    stepped = lk.simulate(trace, policy, on_step=lambda log: None, **timing)
     assert jumped.slots.tolist() == stepped.slots.tolist()
+    assert jumped.num_queued.tolist() == stepped.num_queued.tolist()
+    assert jumped.blocked.tolist() == stepped.blocked.tolist()
+    np.testing.assert_allclose(jumped.step_seconds, stepped.step_seconds)
+    np.testing.assert_allclose(jumped.step_start, stepped.step_start)
     assert jumped.num_blocks_used.tolist() == stepped.num_blocks_used.tolist()
     assert jumped.preempted_at == stepped.preempted_at and len(jumped.preempted_at) == jumped.num_preemptions
     if policy.num_blocks is not None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
+from functools import partial
 from itertools import combinations
 from numbers import Real
 
@@ -61,8 +62,37 @@ class CostModel:
     def decode_run_seconds(self, num_requests: int, first_num_kv_tokens: int, num_steps: int) -> np.ndarray:
         """Seconds of each of `num_steps` plain decode steps of `num_requests` requests, the
         first reading `first_num_kv_tokens` KV tokens and each later one `num_requests` more."""
-        per_step = self.overhead + self.per_decode_token * num_requests
-        return per_step + self.per_kv_token * (first_num_kv_tokens + num_requests * np.arange(num_steps))  # (steps,)
+        first, growth = self._decode_run_terms(num_requests, first_num_kv_tokens)
+        return first + growth * np.arange(num_steps)  # (steps,)
+
+    def decode_run_total(self, num_requests: int, first_num_kv_tokens: int, num_steps: int) -> float:
+        """The sum of `decode_run_seconds`, in closed form."""
+        first, growth = self._decode_run_terms(num_requests, first_num_kv_tokens)
+        return first * num_steps + growth * num_steps * (num_steps - 1) / 2
+
+    def decode_run_length(self, num_requests: int, first_num_kv_tokens: int, seconds: float, max_steps: int) -> int:
+        """How many steps of such a run pass, at most `max_steps`, until `seconds` have passed:
+        the step during which they pass counts."""
+        first, growth = self._decode_run_terms(num_requests, first_num_kv_tokens)
+        if seconds <= 0:
+            return min(1, max_steps)
+        if growth > 0:  # growth/2 n^2 + (first - growth/2) n >= seconds
+            linear = first - growth / 2
+            estimate = (math.sqrt(linear * linear + 2 * growth * seconds) - linear) / growth
+        else:
+            estimate = seconds / first if first > 0 else max_steps
+        num_steps = max(1, min(max_steps, math.ceil(estimate)))
+        total = partial(self.decode_run_total, num_requests, first_num_kv_tokens)
+        while num_steps > 1 and total(num_steps - 1) >= seconds:  # float rounding in the estimate
+            num_steps -= 1
+        while num_steps < max_steps and total(num_steps) < seconds:
+            num_steps += 1
+        return num_steps
+
+    def _decode_run_terms(self, num_requests: int, first_num_kv_tokens: int) -> tuple[float, float]:
+        """(seconds of the first step, seconds more per later step) of a decode run."""
+        first = self.overhead + self.per_decode_token * num_requests + self.per_kv_token * first_num_kv_tokens
+        return first, self.per_kv_token * num_requests
 
     @classmethod
     def fit(cls, log, holdout: float = 0.25, seed: int = 0) -> CostFit:

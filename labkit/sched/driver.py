@@ -29,7 +29,6 @@ Invariants:
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from collections.abc import Callable
 from typing import Protocol
@@ -39,7 +38,7 @@ import numpy as np
 from labkit.sched.blocks import BlockPool
 from labkit.sched.policy import HEAD_BLOCKED, NO_BUDGET, Decision
 from labkit.sched.state import Batch, Request, SchedulerState
-from labkit.sched.steplog import TIME_SLACK, StepLog
+from labkit.sched.steplog import TIME_SLACK, RunSeconds, StepLog
 from labkit.traffic import Trace
 
 
@@ -50,12 +49,13 @@ class Backend(Protocol):
 
     plans_ahead: bool
 
-    def plan_seconds(self, batch: Batch, num_steps: int):
-        """The seconds of the next `num_steps` steps: a number if all are equal, else one per step."""
+    def steps_until(self, batch: Batch, max_steps: int, seconds: float) -> int:
+        """How many of the next `max_steps` steps of `batch` run, at least one, until `seconds`
+        have passed: the step during which they pass counts."""
 
-    def execute(self, state: SchedulerState, batch: Batch, num_steps: int, log: StepLog):
+    def execute(self, state: SchedulerState, batch: Batch, num_steps: int, log: StepLog) -> float | RunSeconds:
         """Run `num_steps` steps in which each request of `batch` processes its number of
-        tokens; return the seconds each step took (a number, or one per step)."""
+        tokens; return the seconds each step took, or a `RunSeconds` when they differ."""
 
 
 def drive(
@@ -156,11 +156,7 @@ def _steps_until_event(state, batch: Batch, pending, decision: Decision, backend
     moments = [m for m in (next_arrival, decision.wake_at) if m is not None]
     if not moments:
         return count
-    planned = backend.plan_seconds(batch, count)
-    wait = min(moments) - state.now - TIME_SLACK
-    if np.ndim(planned) == 0:
-        return max(1, min(count, math.ceil(wait / planned)))
-    return max(1, min(count, int(np.searchsorted(np.cumsum(planned), wait)) + 1))
+    return backend.steps_until(batch, count, min(moments) - state.now - TIME_SLACK)
 
 
 def _record(state: SchedulerState, batch: Batch, count: int, seconds, log: StepLog, decision, num_blocks_used,
@@ -170,7 +166,7 @@ def _record(state: SchedulerState, batch: Batch, count: int, seconds, log: StepL
     With count > 1, every request emits every step: its tokens in the first, one token after.
     """
     first_step = state.num_steps
-    end = state.now + (count * seconds if isinstance(seconds, float) else float(np.sum(seconds)))
+    end = state.now + (seconds.total if isinstance(seconds, RunSeconds) else count * seconds)
     arrivals = _arrivals_before(pending, end) if count > 1 else None
     log.append(state.row(batch), count, len(state.waiting), decision.blocked, state.now, seconds, batch.num_emitted,
                num_blocks_used, arrivals)

@@ -219,18 +219,19 @@ class _Plan:
         self.all_pending_given = False  # whether it gave every running request all it has pending
 
     def take_running(self, chunked_prefill: bool) -> bool:
-        """Schedule the running requests cheaply when no one needs to be preempted and the
-        steady ones (one decode token each) are the oldest: then the general rule gives each
-        steady request its token and each irregular one, oldest first, what the budget
-        allows. False, with nothing scheduled, otherwise."""
+        """Schedule the running requests cheaply when no one needs to be preempted and either
+        the budget covers all they have pending or the steady ones (one decode token each) are
+        the oldest: then the general rule gives each steady request its token and each
+        irregular one, oldest first, what the budget allows. False, with nothing scheduled, otherwise."""
         state = self.state
         steady = state.seats.steady
         num_steady_blocks = state.num_new_steady_blocks()
         if len(steady) > self.budget or num_steady_blocks > self.free_blocks:
             return False
         irregular = sorted(state.seats.irregular.values(), key=_ADMITTED_ORDER)
-        if irregular and steady and irregular[0].admitted_order < max(state.slots[k].admitted_order for k in steady):
-            return False
+        if irregular and steady and len(steady) + sum(r.num_uncomputed for r in irregular) > self.budget:
+            if irregular[0].admitted_order < max(state.slots[k].admitted_order for k in steady):
+                return False
         budget, free_blocks, given = self.budget - len(steady), self.free_blocks - num_steady_blocks, {}
         for request in irregular:
             wanted = request.num_uncomputed
@@ -251,7 +252,7 @@ class _Plan:
             return self.num_tokens
         if self.all_pending_given and all(self.num_tokens[r.id] == r.num_uncomputed for r in self.admitted):
             return None
-        return {self.state.slots[k].id: 1 for k in self.state.seats.steady} | self.num_tokens
+        return dict.fromkeys(self.state.seats.id[list(self.state.seats.steady)].tolist(), 1) | self.num_tokens
 
     def tokens_for(self, request: Request, may_split: bool) -> int:
         """Tokens `request` can process within the budget left: all it has pending, a chunk

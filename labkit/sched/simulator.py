@@ -3,21 +3,24 @@
 A step lasts `step_time` seconds, or, given a `CostModel`, as long as the model says for
 the work in it (prompt tokens, decode tokens, KV tokens read). The simulator computes
 nothing per step: `drive` (labkit.sched.driver) runs each decision until the next event
-in one go, asking the back end for the planned step durations. Scheduling rules and
+in one go, asking the back end how many steps pass before a moment. Scheduling rules and
 invariants are the driver's.
 """
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
 from labkit.sched.cost import CostModel
 from labkit.sched.driver import drive
 from labkit.sched.state import Batch, SchedulerState
-from labkit.sched.steplog import StepLog
+from labkit.sched.steplog import RunSeconds, StepLog
 from labkit.traffic import Trace
 
 DEFAULT_STEP_TIME = 0.025  # seconds per decode step: a mid-sized model's iteration
@@ -30,43 +33,46 @@ class FixedStepTime:
     step_time: float
     plans_ahead = True
 
-    def plan_seconds(self, batch: Batch, num_steps: int) -> float:
-        return self.step_time
+    def steps_until(self, batch: Batch, max_steps: int, seconds: float) -> int:
+        return max(1, min(max_steps, math.ceil(seconds / self.step_time)))
 
     def execute(self, state: SchedulerState, batch: Batch, num_steps: int, log: StepLog) -> float:
         return self.step_time
 
 
+@dataclass(frozen=True)
 class ModeledStepTime:
     """A back end whose steps take what `cost` predicts for their work, and compute nothing.
 
     Over a run of steps the first processes each request's scheduled tokens and the rest
-    are plain decodes, so the KV tokens read grow by one per request and step. The plan
-    for a batch is kept, so executing it costs nothing more.
+    are plain decodes, so the KV tokens read grow by one per request and step: the cost
+    model prices the rest as one decode run, in closed form.
     """
 
+    cost: CostModel
     plans_ahead = True
 
-    def __init__(self, cost: CostModel):
-        self.cost = cost
-        self._planned: tuple[Batch, np.ndarray] | None = None
+    def steps_until(self, batch: Batch, max_steps: int, seconds: float) -> int:
+        first = self._first_step_seconds(batch)
+        if seconds <= first or max_steps == 1:
+            return 1
+        return 1 + self.cost.decode_run_length(batch.size, batch.num_kv_tokens + batch.size, seconds - first, max_steps - 1)
 
-    def plan_seconds(self, batch: Batch, num_steps: int) -> np.ndarray:
-        seconds = self.cost.decode_run_seconds(batch.size, batch.num_kv_tokens, num_steps)
-        seconds[0] = self._first_step_seconds(batch)
-        self._planned = (batch, seconds)
-        return seconds
-
-    def execute(self, state: SchedulerState, batch: Batch, num_steps: int, log: StepLog):
+    def execute(self, state: SchedulerState, batch: Batch, num_steps: int, log: StepLog) -> float | RunSeconds:
         log.record_kv_tokens(batch.num_kv_tokens, num_steps, batch.size)
+        first = self._first_step_seconds(batch)
         if num_steps == 1:
-            return self._first_step_seconds(batch)
-        if self._planned is None or self._planned[0] is not batch or len(self._planned[1]) < num_steps:
-            self.plan_seconds(batch, num_steps)
-        return self._planned[1][:num_steps]
+            return first
+        rest = (batch.size, batch.num_kv_tokens + batch.size, num_steps - 1)  # a decode run after the first step
+        per_step = partial(_prepend, first, partial(self.cost.decode_run_seconds, *rest))
+        return RunSeconds(first + self.cost.decode_run_total(*rest), per_step)
 
     def _first_step_seconds(self, batch: Batch) -> float:
         return self.cost.step_seconds(batch.num_prefill_tokens, batch.num_decode_tokens, batch.num_kv_tokens)
+
+
+def _prepend(first: float, rest: Callable[[], np.ndarray]) -> np.ndarray:
+    return np.concatenate([[first], rest()])
 
 
 def simulate(

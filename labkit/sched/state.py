@@ -191,12 +191,13 @@ class Batch:
     """
 
     __slots__ = ("num_steady", "irregular", "size", "emits", "is_decoding", "num_emitted",
-                 "num_prefill_tokens", "num_decode_tokens", "num_kv_tokens")
+                 "num_prefill_tokens", "num_decode_tokens", "num_kv_tokens", "num_steps_to_finish")
 
     def __init__(self, seats: Seats, irregular: list[tuple[Request, int]]):
         self.num_steady = num_steady = len(seats.steady)
         self.irregular = irregular
         self.size = num_steady + len(irregular)
+        self.num_steps_to_finish = None  # steps until the first request finishes, once asked
         num_emitting = num_decoding = num_prefill_tokens = num_kv_tokens = 0
         for request, num_tokens in irregular:
             num_emitting += num_tokens == request.num_uncomputed
@@ -289,7 +290,8 @@ class SchedulerState:
     def steps_until_a_finish(self, batch: Batch) -> int:
         """Steps of `batch` until the first of its requests emits its last token (all emit every step)."""
         steady = int(self.seats.finish_at.min()) - self.seats.now if batch.num_steady else NEVER
-        return min([steady, *(r.output_len - r.num_generated for r, _ in batch.irregular)])
+        batch.num_steps_to_finish = min([steady, *(r.output_len - r.num_generated for r, _ in batch.irregular)])
+        return batch.num_steps_to_finish
 
     def steps_within_free_blocks(self, batch: Batch) -> int:
         """Steps of `batch` that surely need no more blocks than are free: none before the first
@@ -387,7 +389,7 @@ class SchedulerState:
                 finished.append(request.index)
             else:
                 seats.make_steady(request)
-        if batch.num_steady:
+        if batch.num_steady and (batch.num_steps_to_finish is None or num_steps >= batch.num_steps_to_finish):
             for slot in np.flatnonzero(seats.finish_at <= seats.now).tolist():
                 seats.freeze(self.slots[slot])
                 finished.append(self.slots[slot].index)

@@ -47,6 +47,13 @@ def _per_step_array(compute):
     return property(cached, doc=compute.__doc__)
 
 
+class RunSeconds(NamedTuple):
+    """The seconds of a run of steps: their sum now, one per step only when a log is read."""
+
+    total: float
+    per_step: Callable[[], np.ndarray]
+
+
 class _Segment(NamedTuple):
     """`count` identical steps; `seconds` is one number or one per step."""
 
@@ -55,7 +62,7 @@ class _Segment(NamedTuple):
     num_queued: int
     blocked: str
     start: float
-    seconds: float | np.ndarray
+    seconds: float | RunSeconds  # a float: every step's
     num_emitted: int
     num_blocks_used: int | np.ndarray | Callable[[], np.ndarray]
     arrivals: np.ndarray | None  # arrival times of requests that join the queue during the steps
@@ -205,7 +212,8 @@ class StepLog:
         """float [num_steps]: duration of each step."""
         if not self._segments:
             return np.empty(0)
-        return np.concatenate([np.broadcast_to(s.seconds, s.count) for s in self._segments]).astype(np.float64)
+        per_segment = [s.seconds.per_step() if isinstance(s.seconds, RunSeconds) else s.seconds for s in self._segments]
+        return np.concatenate([np.broadcast_to(sec, s.count) for sec, s in zip(per_segment, self._segments)]).astype(np.float64)
 
     @_per_step_array
     def step_start(self) -> np.ndarray:
