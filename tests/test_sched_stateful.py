@@ -25,8 +25,6 @@ request finishes with exactly its output length and the pool ends full.
 
 from __future__ import annotations
 
-from collections import deque
-
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -34,7 +32,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 import labkit as lk
 from labkit.sched import Decision, Request, SchedulerState
 from labkit.sched.blocks import BlockPool
-from labkit.sched.driver import _record
+from labkit.sched.driver import Pending, _record
 from labkit.sched.state import NEVER
 from labkit.sched.steplog import StepLog
 
@@ -124,7 +122,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.last_step_tokens = {r.id: n for r, n in scheduled}
         growth = self.state.grow(batch, 1)
         num_blocks_used = 0 if growth is None else growth.blocks_used()
-        _record(self.state, batch, 1, 1.0, self.log, decision, num_blocks_used, deque())  # requests arrive by rule
+        _record(self.state, batch, 1, 1.0, self.log, decision, num_blocks_used, Pending([]))  # they arrive by rule
         return True
 
     def _guard(self, action, *args):

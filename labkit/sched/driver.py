@@ -29,7 +29,6 @@ Invariants:
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable
 from typing import Protocol
 
@@ -75,12 +74,12 @@ def drive(
     if blocks is None and policy.num_blocks is not None:
         blocks = BlockPool(policy.num_blocks, policy.block_size)
     state = SchedulerState(policy.num_slots, requests, blocks)
-    pending = deque(sorted(requests, key=lambda r: (r.arrival, r.index)))
-    state.now = pending[0].arrival
+    pending = Pending(requests)
+    state.now = pending.next_arrival()
     log = StepLog(trace, policy.num_slots, repr(policy))
     num_unfinished = len(requests)
     while num_unfinished:
-        _arrive(pending, state)
+        state.waiting.extend(pending.arrived_by(state.now))
         decision = policy.schedule(state)
         if decision.preempt:
             log.count_preemptions(state.num_steps, [state.by_id[i] for i in decision.preempt])
@@ -125,14 +124,36 @@ def _repeats(decision: Decision, batch: Batch) -> bool:
     return decision.blocked != NO_BUDGET or batch.is_decoding
 
 
-def _arrive(pending: deque[Request], state: SchedulerState) -> None:
-    while pending and pending[0].arrival <= state.now + TIME_SLACK:
-        state.waiting.append(pending.popleft())
+class Pending:
+    """The requests that have not arrived yet, in arrival order (ties by trace position)."""
+
+    def __init__(self, requests: list[Request]):
+        self._requests = sorted(requests, key=lambda r: (r.arrival, r.index))
+        self._times = np.array([r.arrival for r in self._requests])  # (N,) ascending
+        self._num_arrived = 0
+
+    def __bool__(self) -> bool:
+        return self._num_arrived < len(self._requests)
+
+    def next_arrival(self) -> float | None:
+        return self._requests[self._num_arrived].arrival if self else None
+
+    def arrived_by(self, moment: float) -> list[Request]:
+        """The requests that arrive by `moment`, taken out."""
+        first = self._num_arrived
+        while self and self._requests[self._num_arrived].arrival <= moment + TIME_SLACK:
+            self._num_arrived += 1
+        return self._requests[first : self._num_arrived]
+
+    def times_by(self, moment: float) -> np.ndarray | None:
+        """Arrival times of the requests that arrive by `moment`, left in; None if none do."""
+        end = int(np.searchsorted(self._times, moment + TIME_SLACK, "right"))
+        return self._times[self._num_arrived : end] if end > self._num_arrived else None
 
 
-def _idle_until(state: SchedulerState, pending: deque[Request], decision: Decision, policy) -> float:
+def _idle_until(state: SchedulerState, pending: Pending, decision: Decision, policy) -> float:
     """The next time anything can happen while nothing runs, or an error if never."""
-    wakes = [pending[0].arrival] if pending else []
+    wakes = [pending.next_arrival()] if pending else []
     if decision.wake_at is not None:
         wakes.append(decision.wake_at)
     if not wakes or min(wakes) <= state.now:
@@ -144,15 +165,15 @@ def _idle_until(state: SchedulerState, pending: deque[Request], decision: Decisi
     return min(wakes)
 
 
-def _steps_until_event(state, batch: Batch, pending, decision: Decision, backend: Backend, policy) -> int:
+def _steps_until_event(state, batch: Batch, pending: Pending, decision: Decision, backend: Backend, policy) -> int:
     """Plain decode steps the decision holds for: until a request finishes, one arrives (if
     that matters), the policy wakes, or the free blocks might not cover the requests' growth.
     The first of them may complete prefills."""
     count = state.steps_until_a_finish(batch)
     if state.blocks is not None:
-        count = min(count, state.steps_within_free_blocks(batch))
+        count = state.steps_within_free_blocks(batch, count)
     arrivals_matter = not (getattr(policy, "admits_in_order", False) and decision.blocked in HEAD_BLOCKED)
-    next_arrival = pending[0].arrival if pending and arrivals_matter else None
+    next_arrival = pending.next_arrival() if arrivals_matter else None
     moments = [m for m in (next_arrival, decision.wake_at) if m is not None]
     if not moments:
         return count
@@ -160,14 +181,14 @@ def _steps_until_event(state, batch: Batch, pending, decision: Decision, backend
 
 
 def _record(state: SchedulerState, batch: Batch, count: int, seconds, log: StepLog, decision, num_blocks_used,
-            pending: deque[Request]) -> int:
+            pending: Pending) -> int:
     """Log `count` steps of `batch` and advance its requests; returns how many finished.
 
     With count > 1, every request emits every step: its tokens in the first, one token after.
     """
     first_step = state.num_steps
     end = state.now + (seconds.total if isinstance(seconds, RunSeconds) else count * seconds)
-    arrivals = _arrivals_before(pending, end) if count > 1 else None
+    arrivals = pending.times_by(end) if count > 1 else None
     log.append(state.row(batch), count, len(state.waiting), decision.blocked, state.now, seconds, batch.num_emitted,
                num_blocks_used, arrivals)
     prefills = [(r.slot, n) for r, n in batch.irregular if not r.is_decoding]  # a prompt, its chunk, or a recompute
@@ -181,13 +202,3 @@ def _record(state: SchedulerState, batch: Batch, count: int, seconds, log: StepL
         log.finish_step[finished] = first_step + count - 1
     state.now = end
     return len(finished)
-
-
-def _arrivals_before(pending: deque[Request], moment: float) -> np.ndarray | None:
-    """Arrival times of the pending requests that arrive by `moment`, or None if none do."""
-    times = []
-    for request in pending:
-        if request.arrival > moment + TIME_SLACK:
-            break
-        times.append(request.arrival)
-    return np.array(times) if times else None

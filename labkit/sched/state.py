@@ -293,25 +293,27 @@ class SchedulerState:
         batch.num_steps_to_finish = min([steady, *(r.output_len - r.num_generated for r, _ in batch.irregular)])
         return batch.num_steps_to_finish
 
-    def steps_within_free_blocks(self, batch: Batch) -> int:
-        """Steps of `batch` that surely need no more blocks than are free: none before the first
-        request fills its last block after the first step, then at most one block per request
-        every `block_size` steps."""
-        block_size = self.blocks.block_size
-        num_first_blocks, room = 0, NEVER
+    def steps_within_free_blocks(self, batch: Batch, max_steps: int) -> int:
+        """Of the next `max_steps` steps of `batch`, those that surely need no more blocks than
+        are free: none before the first request fills its last block after the first step,
+        then at most one block per request every `block_size` steps."""
+        block_size, num_free = self.blocks.block_size, self.blocks.num_free_blocks
+        num_first_irregular = sum(self.num_new_blocks(r, n) for r, n in batch.irregular)
+        most_needed = num_first_irregular + batch.num_steady + batch.size * -(-(max_steps - 1) // block_size)
+        if most_needed <= num_free:  # plenty: every request may grow every block_size steps
+            return max_steps
+        num_first_blocks, room = num_first_irregular, NEVER
         if batch.num_steady:
             block_at, now = self.seats.block_at, self.seats.now
             due_now = block_at == now
-            num_first_blocks = int(np.count_nonzero(due_now))
+            num_first_blocks += int(np.count_nonzero(due_now))
             room = int(block_at[~due_now].min(initial=NEVER)) - now - 1
-            if num_first_blocks:
+            if due_now.any():
                 room = min(room, block_size - 1)
         for request, num_tokens in batch.irregular:
             cached = request.num_computed + num_tokens
-            num_first_blocks += self.num_new_blocks(request, num_tokens)
             room = min(room, max(self.blocks.num_blocks_for(cached), request.num_blocks_held) * block_size - cached)
-        num_free = self.blocks.num_free_blocks - num_first_blocks
-        return 1 + room + block_size * (num_free // batch.size)
+        return min(max_steps, 1 + room + block_size * ((num_free - num_first_blocks) // batch.size))
 
     # Applying a decision and running steps
 
@@ -362,14 +364,14 @@ class SchedulerState:
         due = np.flatnonzero(seats.block_at <= last_step)
         if due.size:
             block_size = self.blocks.block_size
-            base = seats.cached_base[due]  # cached after step s: base + s
+            block_at = seats.block_at[due]
+            num_new_blocks = (last_step - block_at) // block_size + 1  # one at block_at, then every block_size steps
+            self.blocks.take(int(num_new_blocks.sum()))
             held = seats.num_blocks_held[due]
-            needed = (base + (last_step + block_size - 1)) // block_size
-            self.blocks.take(int(needed.sum() - held.sum()))
-            seats.num_blocks_held[due] = needed
-            seats.block_at[due] = needed * block_size - base + 1
+            seats.num_blocks_held[due] = held + num_new_blocks
+            seats.block_at[due] = block_at + num_new_blocks * block_size
             if last_step > seats.now:  # a run of steps: remember who grew, for the blocks used per step
-                growth.add(held, needed, base + seats.now)
+                growth.add(held, held + num_new_blocks, seats.cached_base[due] + seats.now)
 
     def advance(self, batch: Batch, num_steps: int) -> list[int]:
         """Count `num_steps` steps of `batch` done: each request processed its tokens in the
