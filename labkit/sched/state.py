@@ -275,9 +275,11 @@ class SchedulerState:
         if decision.num_tokens is None:
             return self.running_batch()
         given = decision.num_tokens
-        for slot in sorted(self.seats.steady):
-            if given.get(self.slots[slot].id, 0) != 1:
-                self.seats.freeze(self.slots[slot])
+        steady_ids = self.seats.id[list(self.seats.steady)].tolist()
+        if not {request_id for request_id, num_tokens in given.items() if num_tokens == 1}.issuperset(steady_ids):
+            for slot in sorted(self.seats.steady):
+                if given.get(self.slots[slot].id, 0) != 1:
+                    self.seats.freeze(self.slots[slot])
         irregular = [(r, given.get(r.id, 0)) for r in map(self.seats.irregular.get, sorted(self.seats.irregular))]
         return Batch(self.seats, [(r, n) for r, n in irregular if n > 0])
 
