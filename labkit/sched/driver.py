@@ -41,7 +41,6 @@ from labkit.sched.steplog import TIME_SLACK, RunSeconds, StepLog
 from labkit.traffic import Trace
 
 
-
 class Backend(Protocol):
     """Executes steps. One that `plans_ahead` knows their durations in advance, and may
     be given many steps at once; one that does not (the engine) measures them, one by one."""

@@ -275,10 +275,10 @@ class SchedulerState:
         if decision.num_tokens is None:
             return self.running_batch()
         given = decision.num_tokens
-        steady_ids = self.seats.id[list(self.seats.steady)].tolist()
-        if not {request_id for request_id, num_tokens in given.items() if num_tokens == 1}.issuperset(steady_ids):
+        given_one = {request_id for request_id, num_tokens in given.items() if num_tokens == 1}
+        if not given_one.issuperset(self.seats.id[list(self.seats.steady)].tolist()):
             for slot in sorted(self.seats.steady):
-                if given.get(self.slots[slot].id, 0) != 1:
+                if self.slots[slot].id not in given_one:
                     self.seats.freeze(self.slots[slot])
         irregular = [(r, given.get(r.id, 0)) for r in map(self.seats.irregular.get, sorted(self.seats.irregular))]
         return Batch(self.seats, [(r, n) for r, n in irregular if n > 0])

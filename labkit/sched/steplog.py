@@ -187,10 +187,7 @@ class StepLog:
     @_per_step_array
     def num_blocks_used(self) -> np.ndarray:
         """int [num_steps]: KV blocks in use during the step (0 without a pool)."""
-        if not self._segments:
-            return np.empty(0, np.int64)
-        per_segment = [s.num_blocks_used() if callable(s.num_blocks_used) else s.num_blocks_used for s in self._segments]
-        return np.concatenate([np.broadcast_to(used, s.count) for used, s in zip(per_segment, self._segments)]).astype(np.int64)
+        return self._expanded("num_blocks_used", np.int64)
 
     @_per_step_array
     def num_emitted(self) -> np.ndarray:
@@ -210,10 +207,7 @@ class StepLog:
     @_per_step_array
     def step_seconds(self) -> np.ndarray:
         """float [num_steps]: duration of each step."""
-        if not self._segments:
-            return np.empty(0)
-        per_segment = [s.seconds.per_step() if isinstance(s.seconds, RunSeconds) else s.seconds for s in self._segments]
-        return np.concatenate([np.broadcast_to(sec, s.count) for sec, s in zip(per_segment, self._segments)]).astype(np.float64)
+        return self._expanded("seconds", np.float64)
 
     @_per_step_array
     def step_start(self) -> np.ndarray:
@@ -229,6 +223,16 @@ class StepLog:
 
     def _counts(self) -> np.ndarray:
         return np.array([segment.count for segment in self._segments], np.int64)
+
+    def _expanded(self, field: str, dtype) -> np.ndarray:
+        """One value per step of segments whose `field` is one number for all their steps, one
+        per step, or computed when read (a function, or a RunSeconds' `per_step`)."""
+        values = []
+        for segment in self._segments:
+            value = getattr(segment, field)
+            value = value.per_step if isinstance(value, RunSeconds) else value
+            values.append(np.broadcast_to(value() if callable(value) else value, segment.count))
+        return np.concatenate(values).astype(dtype) if values else np.empty(0, dtype)
 
     def _per_step(self, field: str, dtype) -> np.ndarray:
         values = np.array([getattr(segment, field) for segment in self._segments], dtype)
