@@ -1,5 +1,7 @@
 """The scheduling core: exact schedules, policy decisions, invariants and bad input."""
 
+import gc
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -397,3 +399,66 @@ def test_limits_that_never_bind_change_nothing(trace, num_slots):
     plain = lk.simulate(trace, lk.Continuous(num_slots), step_time=0.1)
     roomy = lk.Continuous(num_slots, num_blocks=10_000, max_tokens_per_step=10_000)
     assert lk.simulate(trace, roomy, step_time=0.1).slots.tolist() == plain.slots.tolist()
+
+
+class _RecordsCollector(lk.Continuous):
+    """Continuous, noting whether the cyclic garbage collector was on at each decision."""
+
+    def schedule(self, state):
+        self.__dict__.setdefault("collector_on", set()).add(gc.isenabled())
+        return super().schedule(state)
+
+
+def test_simulate_pauses_the_cyclic_collector_only_without_on_step_and_restores_it():
+    policy = _RecordsCollector(2)
+    lk.simulate(lk.Trace.toy(), policy)
+    assert policy.collector_on == {False} and gc.isenabled()
+    stepped = _RecordsCollector(2)
+    lk.simulate(lk.Trace.toy(), stepped, on_step=lambda log: None)
+    assert stepped.collector_on == {True}
+    gc.disable()
+    try:
+        lk.simulate(lk.Trace.toy(), lk.Continuous(2))
+        assert not gc.isenabled(), "a collector the caller switched off stays off"
+    finally:
+        gc.enable()
+    with pytest.raises(RuntimeError, match="can make no progress"):
+        lk.simulate(lk.Trace.from_lengths([1, 2]), _NeverAdmits(num_slots=1))
+    assert gc.isenabled(), "an error inside the run switches the collector back on"
+
+
+class _NeverAdmits(lk.Continuous):
+    def schedule(self, state):
+        return Decision(blocked="lazy")
+
+
+@pytest.mark.parametrize("policy", [lk.Static(2, num_blocks=12, block_size=4), lk.Continuous(
+    2, num_blocks=6, block_size=2, max_tokens_per_step=5, chunked_prefill=True)])
+def test_a_simulation_leaves_no_reference_cycles_behind(policy):
+    trace = lk.Trace.from_lengths([6, 2, 5, 4], prompt_lengths=[3, 7, 1, 4])
+    gc.collect()
+    gc.disable()
+    try:
+        log = lk.simulate(trace, policy)
+        assert gc.collect() == 0, "the run made garbage only the cyclic collector frees"
+    finally:
+        gc.enable()
+    assert log.num_tokens == trace.output_lengths.sum()
+
+
+def test_a_request_due_to_finish_when_its_slots_preempted_holder_was_finishes_once():
+    first, second = Request(0, 0, 0.0, 0, 6), Request(1, 1, 0.0, 0, 2)
+    state = SchedulerState(1, [first, second])
+    state.waiting.extend([first, second])
+
+    def step(decision):
+        state.apply(decision)
+        return state.advance(state.batch(decision), 1)
+
+    step(Decision(admit=(0,)))  # step 0: its prefill emits; it decodes steadily, due to finish at step 6
+    for _ in range(3):
+        step(Decision())
+    assert first.num_generated == 4
+    assert step(Decision(preempt=(0,), admit=(1,))) == []  # step 4: the second's prefill; it is due at step 6 too
+    assert step(Decision()) == [1]
+    assert state.finished_in_slots() == [second] and list(state.waiting) == [first]

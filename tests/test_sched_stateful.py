@@ -185,7 +185,9 @@ class SchedulerMachine(RuleBasedStateMachine):
                 assert (k in seats.finished) == request.is_finished, request
                 if k in seats.steady:
                     assert request.is_decoding and seats.finish_at[k] == seats.now + request.output_len - request.num_generated
+                    assert (seats.finish_at[k], k) in seats._finishes, f"steady slot {k} is missing from the finish heap"
             assert (seats.finish_at[k] < NEVER) == (k in seats.steady), k
+            assert seats.steady_id[k] == (request.id if k in seats.steady else -1), k
         for request in state.waiting:
             assert request.slot == -1 and not request.block_table, f"waiting {request} holds a slot or blocks"
         # exactly one place each

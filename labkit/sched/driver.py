@@ -29,6 +29,7 @@ Invariants:
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable
 from typing import Protocol
 
@@ -128,7 +129,7 @@ class Pending:
 
     def __init__(self, requests: list[Request]):
         self._requests = sorted(requests, key=lambda r: (r.arrival, r.index))
-        self._times = np.array([r.arrival for r in self._requests])  # (N,) ascending
+        self._times = [r.arrival for r in self._requests]  # ascending
         self._num_arrived = 0
 
     def __bool__(self) -> bool:
@@ -139,15 +140,16 @@ class Pending:
 
     def arrived_by(self, moment: float) -> list[Request]:
         """The requests that arrive by `moment`, taken out."""
-        first = self._num_arrived
-        while self and self._requests[self._num_arrived].arrival <= moment + TIME_SLACK:
-            self._num_arrived += 1
+        first, self._num_arrived = self._num_arrived, self._end_by(moment)
         return self._requests[first : self._num_arrived]
 
     def times_by(self, moment: float) -> np.ndarray | None:
         """Arrival times of the requests that arrive by `moment`, left in; None if none do."""
-        end = int(np.searchsorted(self._times, moment + TIME_SLACK, "right"))
-        return self._times[self._num_arrived : end] if end > self._num_arrived else None
+        end = self._end_by(moment)
+        return np.array(self._times[self._num_arrived : end]) if end > self._num_arrived else None
+
+    def _end_by(self, moment: float) -> int:
+        return bisect.bisect_right(self._times, moment + TIME_SLACK, lo=self._num_arrived)
 
 
 def _idle_until(state: SchedulerState, pending: Pending, decision: Decision, policy) -> float:

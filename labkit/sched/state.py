@@ -27,6 +27,7 @@ placement (lowest free slot first) and preemption are done in one place.
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 
 import numpy as np
@@ -116,8 +117,10 @@ class Seats:
     A steady request in slot k holds `cached_base[k] + now` tokens in cache after the step
     that starts at `now` (so its `num_generated` is `now + cached_base[k] - num_prompt_tokens`),
     becomes finished when `now` reaches `finish_at[k]`, and needs a new KV block in the step
-    that starts at `now == block_at[k]`; those two columns are NEVER for any other slot.
-    `sum_steady_base` is the sum of `cached_base` over steady requests.
+    that starts at `now == block_at[k]`; those two columns are NEVER, and `steady_id[k]` is -1,
+    for any other slot. `sum_steady_base` is the sum of `cached_base` over steady requests.
+    `_finishes` is a heap of (finish_at, slot) holding every steady request's entry, and
+    stale ones (whose slot's `finish_at` differs) that are skipped when they come up.
     """
 
     def __init__(self, num_slots: int, pool: BlockPool | None):
@@ -127,15 +130,14 @@ class Seats:
         self.irregular: dict[int, Request] = {}
         self.finished: dict[int, Request] = {}
         self.sum_steady_base = 0
-        self.id = np.full(num_slots, -1, np.int64)
+        self.steady_id = np.full(num_slots, -1, np.int64)
         self.cached_base = np.zeros(num_slots, np.int64)
         self.num_blocks_held = np.zeros(num_slots, np.int64)
-        self.finish_at = np.full(num_slots, NEVER, np.int64)
+        self.finish_at = [NEVER] * num_slots
         self.block_at = np.full(num_slots, NEVER, np.int64)
+        self._finishes: list[tuple[int, int]] = []
 
     def seat(self, request: Request) -> None:
-        slot = request.slot
-        self.id[slot] = request.id
         request._seats = self
         self._file(request)
 
@@ -145,7 +147,6 @@ class Seats:
         slot = request.slot
         self.irregular.pop(slot, None)
         self.finished.pop(slot, None)
-        self.id[slot] = -1
         self.num_blocks_held[slot] = 0
         request._seats = None
 
@@ -155,7 +156,9 @@ class Seats:
         del self.irregular[slot]
         base = request.num_prompt_tokens + request._num_generated - self.now
         self.cached_base[slot] = base
-        self.finish_at[slot] = request.output_len + request.num_prompt_tokens - base
+        self.finish_at[slot] = finish_at = request.output_len + request.num_prompt_tokens - base
+        heapq.heappush(self._finishes, (finish_at, slot))
+        self.steady_id[slot] = request.id
         self.sum_steady_base += base
         self.steady.add(slot)
         request._is_steady = True
@@ -169,7 +172,25 @@ class Seats:
         self.steady.remove(slot)
         self.sum_steady_base -= int(self.cached_base[slot])
         self.finish_at[slot] = self.block_at[slot] = NEVER
+        self.steady_id[slot] = -1
         self._file(request)
+
+    def next_finish(self) -> int:
+        """The step at whose start the first steady request has finished; NEVER if none is steady."""
+        finishes = self._finishes
+        while finishes and self.finish_at[finishes[0][1]] != finishes[0][0]:
+            heapq.heappop(finishes)  # stale
+        return finishes[0][0] if finishes else NEVER
+
+    def take_finished(self) -> list[int]:
+        """The slots, in order, of the steady requests that have finished by now; their entries
+        leave the heap (the caller freezes them). A stale entry equal to a live one counts once."""
+        slots, finishes = set(), self._finishes
+        while finishes and finishes[0][0] <= self.now:
+            finish_at, slot = heapq.heappop(finishes)
+            if self.finish_at[slot] == finish_at:
+                slots.add(slot)
+        return sorted(slots)
 
     def place_next_block(self, slot: int) -> None:
         """A steady request needs a new block in the step whose token its blocks cannot hold."""
@@ -191,13 +212,12 @@ class Batch:
     """
 
     __slots__ = ("num_steady", "irregular", "size", "emits", "is_decoding", "num_emitted",
-                 "num_prefill_tokens", "num_decode_tokens", "num_kv_tokens", "num_steps_to_finish")
+                 "num_prefill_tokens", "num_decode_tokens", "num_kv_tokens")
 
     def __init__(self, seats: Seats, irregular: list[tuple[Request, int]]):
         self.num_steady = num_steady = len(seats.steady)
         self.irregular = irregular
         self.size = num_steady + len(irregular)
-        self.num_steps_to_finish = None  # steps until the first request finishes, once asked
         num_emitting = num_decoding = num_prefill_tokens = num_kv_tokens = 0
         for request, num_tokens in irregular:
             num_emitting += num_tokens == request.num_uncomputed
@@ -276,7 +296,7 @@ class SchedulerState:
             return self.running_batch()
         given = decision.num_tokens
         given_one = {request_id for request_id, num_tokens in given.items() if num_tokens == 1}
-        if not given_one.issuperset(self.seats.id[list(self.seats.steady)].tolist()):
+        if not given_one.issuperset(self.seats.steady_id[list(self.seats.steady)].tolist()):
             for slot in sorted(self.seats.steady):
                 if self.slots[slot].id not in given_one:
                     self.seats.freeze(self.slots[slot])
@@ -291,9 +311,8 @@ class SchedulerState:
 
     def steps_until_a_finish(self, batch: Batch) -> int:
         """Steps of `batch` until the first of its requests emits its last token (all emit every step)."""
-        steady = int(self.seats.finish_at.min()) - self.seats.now if batch.num_steady else NEVER
-        batch.num_steps_to_finish = min([steady, *(r.output_len - r.num_generated for r, _ in batch.irregular)])
-        return batch.num_steps_to_finish
+        steady = self.seats.next_finish() - self.seats.now
+        return min([steady, *(r.output_len - r.num_generated for r, _ in batch.irregular)])
 
     def steps_within_free_blocks(self, batch: Batch, max_steps: int) -> int:
         """Of the next `max_steps` steps of `batch`, those that surely need no more blocks than
@@ -362,18 +381,18 @@ class SchedulerState:
                 growth.add(np.array([held]), np.array([needed]), np.array([cached_after_first]))
 
     def _grow_steady(self, growth: Growth, last_step: int) -> None:
-        seats = self.seats
-        due = np.flatnonzero(seats.block_at <= last_step)
-        if due.size:
-            block_size = self.blocks.block_size
-            block_at = seats.block_at[due]
-            num_new_blocks = (last_step - block_at) // block_size + 1  # one at block_at, then every block_size steps
-            self.blocks.take(int(num_new_blocks.sum()))
-            held = seats.num_blocks_held[due]
-            seats.num_blocks_held[due] = held + num_new_blocks
-            seats.block_at[due] = block_at + num_new_blocks * block_size
-            if last_step > seats.now:  # a run of steps: remember who grew, for the blocks used per step
-                growth.add(held, held + num_new_blocks, seats.cached_base[due] + seats.now)
+        seats, block_size = self.seats, self.blocks.block_size
+        num_new_blocks = np.subtract(last_step, seats.block_at)  # (slots,) steps since the first block was due
+        np.maximum(num_new_blocks, -1, out=num_new_blocks)
+        num_new_blocks //= block_size
+        num_new_blocks += 1  # one at block_at, then every block_size steps; none if not due (or not steady)
+        self.blocks.take(int(num_new_blocks.sum()))
+        held = seats.num_blocks_held.copy() if last_step > seats.now else None
+        seats.num_blocks_held += num_new_blocks
+        num_new_blocks *= block_size
+        seats.block_at += num_new_blocks
+        if held is not None:  # a run of steps: remember who grew, for the blocks used per step
+            growth.add(held, seats.num_blocks_held.copy(), seats.cached_base + seats.now)
 
     def advance(self, batch: Batch, num_steps: int) -> list[int]:
         """Count `num_steps` steps of `batch` done: each request processed its tokens in the
@@ -393,15 +412,14 @@ class SchedulerState:
                 finished.append(request.index)
             else:
                 seats.make_steady(request)
-        if batch.num_steady and (batch.num_steps_to_finish is None or num_steps >= batch.num_steps_to_finish):
-            for slot in np.flatnonzero(seats.finish_at <= seats.now).tolist():
-                seats.freeze(self.slots[slot])
-                finished.append(self.slots[slot].index)
+        for slot in seats.take_finished():
+            seats.freeze(self.slots[slot])
+            finished.append(self.slots[slot].index)
         return finished
 
     def row(self, batch: Batch) -> np.ndarray:
         """int [num_slots]: the id of the request each slot works for in `batch`'s steps, -1 if none."""
-        row = np.where(self.seats.finish_at < NEVER, self.seats.id, -1)
+        row = self.seats.steady_id.copy()
         for request, _ in batch.irregular:
             row[request.slot] = request.id
         return row
@@ -471,4 +489,5 @@ class Growth:
         held_before, held_after, cached = (np.concatenate(parts) for parts in (
             self.held_before, self.held_after, self.cached_after_first))  # (G,)
         needed = -(-(cached[None, :] + np.arange(self.num_steps)[:, None]) // self.block_size)  # (steps, G)
-        return self.used - (held_after - np.maximum(held_before, needed)).sum(axis=1)  # (steps,)
+        in_use = np.clip(needed, held_before, held_after)  # (steps, G): a holder that did not grow has both equal
+        return self.used - (held_after - in_use).sum(axis=1)  # (steps,)
