@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 import labkit as lk
 from labkit.sched import Decision, Request, SchedulerState
+from labkit.sched.state import ClockBlocks
 
 # Exact schedules ------------------------------------------------------------------------
 
@@ -462,3 +463,24 @@ def test_a_request_due_to_finish_when_its_slots_preempted_holder_was_finishes_on
     assert step(Decision(preempt=(0,), admit=(1,))) == []  # step 4: the second's prefill; it is due at step 6 too
     assert step(Decision()) == [1]
     assert state.finished_in_slots() == [second] and list(state.waiting) == [first]
+
+
+@settings(max_examples=200, deadline=None)
+@given(block_size=st.integers(1, 20), bases=st.lists(st.integers(-60, 60), max_size=8), data=st.data(),
+       step=st.integers(-20, 80))
+def test_clock_blocks_count_what_each_request_holds(block_size, bases, data, step):
+    clock = ClockBlocks(block_size)
+    for base in bases:
+        clock.add(base)
+    removed = data.draw(st.sets(st.sampled_from(range(len(bases)))) if bases else st.just(set()))
+    for i in removed:
+        clock.remove(bases[i])
+    kept = [base for i, base in enumerate(bases) if i not in removed]
+
+    def held(base, t):  # ceil((base + t - 1) / block_size), by counting
+        return sum(1 for first in range(-200 * block_size, base + t - 1, block_size)) - 200
+
+    for t in range(step, step + 2 * block_size + 1):
+        assert clock.held_at(t) == sum(held(base, t) for base in kept)
+    waits = [next(s for s in range(block_size) if held(base, step + s + 1) > held(base, step + s)) for base in kept]
+    assert sorted(clock.steps_to_next_blocks(step)) == sorted(waits)

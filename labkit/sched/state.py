@@ -17,9 +17,10 @@ Invariants:
   its `num_computed` tokens; preemption returns them and makes every known token
   uncomputed again, while the outputs generated so far are kept;
 - a request in a slot is of one kind (`Seats`): steady (it decoded in every step since
-  it became steady, so its counts follow from the step clock), irregular (unfinished,
-  anything else), or finished. So a run of decode steps changes no per-request number,
-  and policies and back ends can look at every steady request in one numpy operation.
+  it became steady, so its counts, tokens and blocks, follow from the step clock),
+  irregular (unfinished, anything else), or finished. So a run of decode steps changes
+  no per-request number: it moves the clock, and the pool lends the steady requests'
+  new blocks in one subtraction (`ClockBlocks`).
 
 Both back ends apply a policy's `Decision` through `SchedulerState.apply`, so slot
 placement (lowest free slot first) and preemption are done in one place.
@@ -27,6 +28,7 @@ placement (lowest free slot first) and preemption are done in one place.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from collections import deque
 
@@ -68,7 +70,7 @@ class Request:
     @property
     def num_generated(self) -> int:
         if self._is_steady:
-            return self._seats.now + int(self._seats.cached_base[self.slot]) - self.num_prompt_tokens
+            return self._seats.now + self._seats.cached_base[self.slot] - self.num_prompt_tokens
         return self._num_generated
 
     @property
@@ -82,7 +84,7 @@ class Request:
 
     @property
     def num_blocks_held(self) -> int:
-        return 0 if self._seats is None else int(self._seats.num_blocks_held[self.slot])
+        return 0 if self._seats is None else self._seats.blocks_held(self.slot)
 
     @property
     def block_table(self) -> list[int]:
@@ -111,30 +113,85 @@ class Request:
         return self.num_prompt_tokens + self.output_len - 1
 
 
+class ClockBlocks:
+    """The KV blocks that growing steady requests hold, from the step clock alone.
+
+    A request whose cache holds `base + t - 1` tokens at the decision before step t holds
+    ceil((base + t - 1) / b) blocks then, b the block size. Writing base + b - 2 = q b + r
+    with 0 <= r < b, that is q + t // b + (1 if r >= b - t % b else 0). So all of them
+    together hold sum(q) + n (t // b) + #{r >= b - t % b}, which the sorted residues r
+    count by bisection; a run of steps takes the difference at its two ends.
+    """
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self.residues: list[int] = []  # sorted, one per request
+        self.sum_quotients = 0
+
+    def held_by(self, base: int, t: int) -> int:
+        """Blocks one request with `base` holds at the decision before step t."""
+        return -(-(base + t - 1) // self.block_size)
+
+    def add(self, base: int) -> None:
+        quotient, residue = divmod(base + self.block_size - 2, self.block_size)
+        bisect.insort(self.residues, residue)
+        self.sum_quotients += quotient
+
+    def remove(self, base: int) -> None:
+        quotient, residue = divmod(base + self.block_size - 2, self.block_size)
+        self.residues.remove(residue)
+        self.sum_quotients -= quotient
+
+    def held_at(self, t: int) -> int:
+        """Blocks they all hold at the decision before step t (once the steps before it ran)."""
+        cycles, phase = divmod(t, self.block_size)
+        num_past = len(self.residues) - bisect.bisect_left(self.residues, self.block_size - phase)
+        return self.sum_quotients + len(self.residues) * cycles + num_past
+
+    def copy(self) -> ClockBlocks:
+        twin = ClockBlocks(self.block_size)
+        twin.residues, twin.sum_quotients = self.residues.copy(), self.sum_quotients
+        return twin
+
+    def steps_to_next_blocks(self, t: int) -> list[int]:
+        """For each request, how many steps after step t pass before the step that takes its
+        next block: 0 if step t does."""
+        return [(self.block_size - 1 - residue - t) % self.block_size for residue in self.residues]
+
+
 class Seats:
     """The requests holding slots, by kind, and their numbers in columns (one entry per slot).
 
     A steady request in slot k holds `cached_base[k] + now` tokens in cache after the step
-    that starts at `now` (so its `num_generated` is `now + cached_base[k] - num_prompt_tokens`),
-    becomes finished when `now` reaches `finish_at[k]`, and needs a new KV block in the step
-    that starts at `now == block_at[k]`; those two columns are NEVER, and `steady_id[k]` is -1,
-    for any other slot. `sum_steady_base` is the sum of `cached_base` over steady requests.
-    `_finishes` is a heap of (finish_at, slot) holding every steady request's entry, and
-    stale ones (whose slot's `finish_at` differs) that are skipped when they come up.
+    that starts at `now` (so its `num_generated` is `now + cached_base[k] - num_prompt_tokens`)
+    and becomes finished when `now` reaches `finish_at[k]`; `finish_at[k]` is NEVER, and
+    `steady_id[k]` is -1, for any other slot. `sum_steady_base` is the sum of `cached_base`
+    over steady requests. `_finishes` is a heap of (finish_at, slot) holding every steady
+    request's entry, and stale ones (whose slot's `finish_at` differs) that are skipped when
+    they come up.
+
+    With a pool, `num_blocks_held[k]` is how many KV blocks slot k's request holds, except
+    for the steady requests in `growing` (those holding just the blocks their tokens fill):
+    their counts follow from the clock through `clock_blocks`, read at `blocks_now`, the
+    steps whose blocks are taken. `grow` takes a run's blocks before the run, so `blocks_now`
+    is ahead of `now` only while the run executes. A steady request not in `growing` holds
+    every block it will ever need (static batching's reservation).
     """
 
     def __init__(self, num_slots: int, pool: BlockPool | None):
         self.pool = pool
         self.now = 0  # steps run so far: the index of the next step
+        self.blocks_now = 0  # steps whose KV blocks are taken
         self.steady: set[int] = set()
         self.irregular: dict[int, Request] = {}
         self.finished: dict[int, Request] = {}
+        self.growing: set[int] = set()
+        self.clock_blocks = ClockBlocks(pool.block_size if pool is not None else 1)
         self.sum_steady_base = 0
         self.steady_id = np.full(num_slots, -1, np.int64)
-        self.cached_base = np.zeros(num_slots, np.int64)
-        self.num_blocks_held = np.zeros(num_slots, np.int64)
+        self.cached_base = [0] * num_slots
+        self.num_blocks_held = [0] * num_slots
         self.finish_at = [NEVER] * num_slots
-        self.block_at = np.full(num_slots, NEVER, np.int64)
         self._finishes: list[tuple[int, int]] = []
 
     def seat(self, request: Request) -> None:
@@ -150,6 +207,11 @@ class Seats:
         self.num_blocks_held[slot] = 0
         request._seats = None
 
+    def blocks_held(self, slot: int) -> int:
+        if slot in self.growing:
+            return self.clock_blocks.held_by(self.cached_base[slot], self.blocks_now)
+        return self.num_blocks_held[slot]
+
     def make_steady(self, request: Request) -> None:
         """From now on `request` decodes in every step, until it finishes."""
         slot = request.slot
@@ -162,16 +224,24 @@ class Seats:
         self.sum_steady_base += base
         self.steady.add(slot)
         request._is_steady = True
-        self.place_next_block(slot)
+        if self.pool is not None and self.num_blocks_held[slot] == self.clock_blocks.held_by(base, self.blocks_now):
+            self.growing.add(slot)
+            self.clock_blocks.add(base)
+        else:
+            assert self.pool is None or self.num_blocks_held[slot] * self.pool.block_size >= request.max_context_len
 
     def freeze(self, request: Request) -> None:
         """`request` stops being steady: its counts are its own again."""
         slot = request.slot
         request._num_generated, request._num_uncomputed = request.num_generated, 1
         request._is_steady = False
+        if slot in self.growing:
+            self.num_blocks_held[slot] = self.blocks_held(slot)
+            self.growing.remove(slot)
+            self.clock_blocks.remove(self.cached_base[slot])
         self.steady.remove(slot)
-        self.sum_steady_base -= int(self.cached_base[slot])
-        self.finish_at[slot] = self.block_at[slot] = NEVER
+        self.sum_steady_base -= self.cached_base[slot]
+        self.finish_at[slot] = NEVER
         self.steady_id[slot] = -1
         self._file(request)
 
@@ -191,11 +261,6 @@ class Seats:
             if self.finish_at[slot] == finish_at:
                 slots.add(slot)
         return sorted(slots)
-
-    def place_next_block(self, slot: int) -> None:
-        """A steady request needs a new block in the step whose token its blocks cannot hold."""
-        if self.pool is not None:
-            self.block_at[slot] = self.num_blocks_held[slot] * self.pool.block_size - self.cached_base[slot] + 1
 
     def _file(self, request: Request) -> None:
         kind = self.finished if request._num_generated == request.output_len else self.irregular
@@ -305,9 +370,8 @@ class SchedulerState:
 
     def num_new_steady_blocks(self) -> int:
         """Blocks the steady requests must take, together, for their next decode step."""
-        if self.blocks is None or not self.seats.steady:
-            return 0
-        return int(np.count_nonzero(self.seats.block_at == self.seats.now))
+        clock_blocks, now = self.seats.clock_blocks, self.seats.now
+        return clock_blocks.held_at(now + 1) - clock_blocks.held_at(now) if self.seats.growing else 0
 
     def steps_until_a_finish(self, batch: Batch) -> int:
         """Steps of `batch` until the first of its requests emits its last token (all emit every step)."""
@@ -324,13 +388,10 @@ class SchedulerState:
         if most_needed <= num_free:  # plenty: every request may grow every block_size steps
             return max_steps
         num_first_blocks, room = num_first_irregular, NEVER
-        if batch.num_steady:
-            block_at, now = self.seats.block_at, self.seats.now
-            due_now = block_at == now
-            num_first_blocks += int(np.count_nonzero(due_now))
-            room = int(block_at[~due_now].min(initial=NEVER)) - now - 1
-            if due_now.any():
-                room = min(room, block_size - 1)
+        if self.seats.growing:
+            waits = self.seats.clock_blocks.steps_to_next_blocks(self.seats.now)
+            num_first_blocks += waits.count(0)
+            room = min([wait - 1 if wait else block_size - 1 for wait in waits])
         for request, num_tokens in batch.irregular:
             cached = request.num_computed + num_tokens
             room = min(room, max(self.blocks.num_blocks_for(cached), request.num_blocks_held) * block_size - cached)
@@ -362,12 +423,11 @@ class SchedulerState:
         tokens in the first step, then one token per step. Returns who grew, for `Growth.blocks_used`."""
         if self.blocks is None:
             return None
-        growth = Growth(self.blocks, num_steps)
+        growth = Growth(self.blocks, self.seats.now, num_steps)
         for request, num_tokens in batch.irregular:
             cached_after_first = request.num_computed + num_tokens
             self._grow_one(growth, request, cached_after_first, cached_after_first + num_steps - 1)
-        if batch.num_steady:
-            self._grow_steady(growth, self.seats.now + num_steps - 1)
+        self._grow_steady(growth, self.seats.now + num_steps - 1)
         growth.used = self.blocks.num_blocks - self.blocks.num_free_blocks
         return growth
 
@@ -378,21 +438,15 @@ class SchedulerState:
             self.blocks.take(needed - held)
             self.seats.num_blocks_held[request.slot] = needed
             if num_tokens_held > cached_after_first:  # a run of steps: remember who grew
-                growth.add(np.array([held]), np.array([needed]), np.array([cached_after_first]))
+                growth.add(held, needed, cached_after_first)
 
     def _grow_steady(self, growth: Growth, last_step: int) -> None:
-        seats, block_size = self.seats, self.blocks.block_size
-        num_new_blocks = np.subtract(last_step, seats.block_at)  # (slots,) steps since the first block was due
-        np.maximum(num_new_blocks, -1, out=num_new_blocks)
-        num_new_blocks //= block_size
-        num_new_blocks += 1  # one at block_at, then every block_size steps; none if not due (or not steady)
-        self.blocks.take(int(num_new_blocks.sum()))
-        held = seats.num_blocks_held.copy() if last_step > seats.now else None
-        seats.num_blocks_held += num_new_blocks
-        num_new_blocks *= block_size
-        seats.block_at += num_new_blocks
-        if held is not None:  # a run of steps: remember who grew, for the blocks used per step
-            growth.add(held, seats.num_blocks_held.copy(), seats.cached_base + seats.now)
+        seats = self.seats
+        num_new_blocks = seats.clock_blocks.held_at(last_step + 1) - seats.clock_blocks.held_at(seats.blocks_now)
+        self.blocks.take(num_new_blocks)
+        seats.blocks_now = last_step + 1
+        if num_new_blocks and last_step > seats.now:  # a run of steps: remember who grew, for the blocks used per step
+            growth.steady = seats.clock_blocks.copy()
 
     def advance(self, batch: Batch, num_steps: int) -> list[int]:
         """Count `num_steps` steps of `batch` done: each request processed its tokens in the
@@ -462,18 +516,20 @@ class SchedulerState:
 
 
 class Growth:
-    """The requests that took blocks for a run of steps, to tell how many blocks were in use
-    at each step: `grow` takes them all up front, but a request needs its last ones only
-    from the step that writes to them."""
+    """Who took blocks for a run of steps, to tell how many blocks were in use at each step:
+    `grow` takes them all up front, but a request needs its last ones only from the step that
+    writes to them. Irregular requests are listed; the growing steady ones are a copy of
+    their `ClockBlocks`, as they were in the run."""
 
-    def __init__(self, blocks: BlockPool, num_steps: int):
-        self.block_size, self.num_steps = blocks.block_size, num_steps
+    def __init__(self, blocks: BlockPool, first_step: int, num_steps: int):
+        self.block_size, self.first_step, self.num_steps = blocks.block_size, first_step, num_steps
         self.used = 0  # blocks held once the run's blocks are taken
-        self.held_before: list[np.ndarray] = []
-        self.held_after: list[np.ndarray] = []
-        self.cached_after_first: list[np.ndarray] = []
+        self.held_before: list[int] = []
+        self.held_after: list[int] = []
+        self.cached_after_first: list[int] = []
+        self.steady: ClockBlocks | None = None
 
-    def add(self, held_before: np.ndarray, held_after: np.ndarray, cached_after_first: np.ndarray) -> None:
+    def add(self, held_before: int, held_after: int, cached_after_first: int) -> None:
         self.held_before.append(held_before)
         self.held_after.append(held_after)
         self.cached_after_first.append(cached_after_first)
@@ -481,13 +537,19 @@ class Growth:
     def blocks_used(self):
         """KV blocks in use during the run: a number if it is the same at every step, else a
         function that gives one number per step (a StepLog calls it when it is read)."""
-        if self.num_steps == 1 or not self.held_after:
+        if self.num_steps == 1 or not (self.held_after or self.steady):
             return self.used
         return self._blocks_used_per_step
 
     def _blocks_used_per_step(self) -> np.ndarray:
-        held_before, held_after, cached = (np.concatenate(parts) for parts in (
-            self.held_before, self.held_after, self.cached_after_first))  # (G,)
-        needed = -(-(cached[None, :] + np.arange(self.num_steps)[:, None]) // self.block_size)  # (steps, G)
-        in_use = np.clip(needed, held_before, held_after)  # (steps, G): a holder that did not grow has both equal
-        return self.used - (held_after - in_use).sum(axis=1)  # (steps,)
+        used = np.full(self.num_steps, self.used)  # (steps,)
+        if self.held_after:
+            held_before, held_after, cached = (np.array(values) for values in (
+                self.held_before, self.held_after, self.cached_after_first))  # (G,)
+            needed = -(-(cached[None, :] + np.arange(self.num_steps)[:, None]) // self.block_size)  # (steps, G)
+            used -= (held_after - np.maximum(held_before, needed)).sum(axis=1)
+        if self.steady is not None:
+            steps = range(self.first_step + 1, self.first_step + 1 + self.num_steps)
+            steady_held = np.array([self.steady.held_at(step) for step in steps])  # (steps,)
+            used -= steady_held[-1] - steady_held
+        return used
