@@ -180,6 +180,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         seats = state.seats
         kinds = [*seats.steady, *seats.irregular, *seats.finished]
         assert sorted(kinds) == [k for k, r in enumerate(state.slots) if r is not None], "a seat has no kind, or two"
+        assert seats.steady_tokens == {state.slots[k].id: 1 for k in seats.steady}
+        assert state.num_free_slots() == state.slots.count(None)
         for k, request in enumerate(state.slots):
             if request is not None:
                 assert (k in seats.finished) == request.is_finished, request

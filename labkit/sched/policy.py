@@ -252,7 +252,7 @@ class _Plan:
             return self.num_tokens
         if self.all_pending_given and all(self.num_tokens[r.id] == r.num_uncomputed for r in self.admitted):
             return None
-        return dict.fromkeys(self.state.seats.steady_id[list(self.state.seats.steady)].tolist(), 1) | self.num_tokens
+        return self.state.seats.steady_tokens | self.num_tokens
 
     def tokens_for(self, request: Request, may_split: bool) -> int:
         """Tokens `request` can process within the budget left: all it has pending, a chunk

@@ -166,7 +166,8 @@ class Seats:
     that starts at `now` (so its `num_generated` is `now + cached_base[k] - num_prompt_tokens`)
     and becomes finished when `now` reaches `finish_at[k]`; `finish_at[k]` is NEVER, and
     `steady_id[k]` is -1, for any other slot. `sum_steady_base` is the sum of `cached_base`
-    over steady requests. `_finishes` is a heap of (finish_at, slot) holding every steady
+    over steady requests, and `steady_tokens` maps each one's id to 1, its decode token.
+    `_finishes` is a heap of (finish_at, slot) holding every steady
     request's entry, and stale ones (whose slot's `finish_at` differs) that are skipped when
     they come up.
 
@@ -189,6 +190,7 @@ class Seats:
         self.clock_blocks = ClockBlocks(pool.block_size if pool is not None else 1)
         self.sum_steady_base = 0
         self.steady_id = np.full(num_slots, -1, np.int64)
+        self.steady_tokens: dict[int, int] = {}
         self.cached_base = [0] * num_slots
         self.num_blocks_held = [0] * num_slots
         self.finish_at = [NEVER] * num_slots
@@ -221,6 +223,7 @@ class Seats:
         self.finish_at[slot] = finish_at = request.output_len + request.num_prompt_tokens - base
         heapq.heappush(self._finishes, (finish_at, slot))
         self.steady_id[slot] = request.id
+        self.steady_tokens[request.id] = 1
         self.sum_steady_base += base
         self.steady.add(slot)
         request._is_steady = True
@@ -243,6 +246,7 @@ class Seats:
         self.sum_steady_base -= self.cached_base[slot]
         self.finish_at[slot] = NEVER
         self.steady_id[slot] = -1
+        del self.steady_tokens[request.id]
         self._file(request)
 
     def next_finish(self) -> int:
@@ -331,7 +335,8 @@ class SchedulerState:
         return [self.seats.finished[slot] for slot in sorted(self.seats.finished)]
 
     def num_free_slots(self) -> int:
-        return self.slots.count(None)
+        seats = self.seats
+        return self.num_slots - len(seats.steady) - len(seats.irregular) - len(seats.finished)
 
     def num_free_blocks(self) -> float:
         """Free KV blocks; infinite without a pool."""
@@ -360,10 +365,9 @@ class SchedulerState:
         if decision.num_tokens is None:
             return self.running_batch()
         given = decision.num_tokens
-        given_one = {request_id for request_id, num_tokens in given.items() if num_tokens == 1}
-        if not given_one.issuperset(self.seats.steady_id[list(self.seats.steady)].tolist()):
+        if not self.seats.steady_tokens.items() <= given.items():
             for slot in sorted(self.seats.steady):
-                if self.slots[slot].id not in given_one:
+                if given.get(self.slots[slot].id) != 1:
                     self.seats.freeze(self.slots[slot])
         irregular = [(r, given.get(r.id, 0)) for r in map(self.seats.irregular.get, sorted(self.seats.irregular))]
         return Batch(self.seats, [(r, n) for r, n in irregular if n > 0])
