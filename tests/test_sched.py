@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 import labkit as lk
 from labkit.sched import Decision, Request, SchedulerState
-from labkit.sched.state import ClockBlocks
+from labkit.sched.state import NEVER, ClockBlocks
 
 # Exact schedules ------------------------------------------------------------------------
 
@@ -483,4 +483,5 @@ def test_clock_blocks_count_what_each_request_holds(block_size, bases, data, ste
     for t in range(step, step + 2 * block_size + 1):
         assert clock.held_at(t) == sum(held(base, t) for base in kept)
     waits = [next(s for s in range(block_size) if held(base, step + s + 1) > held(base, step + s)) for base in kept]
-    assert sorted(clock.steps_to_next_blocks(step)) == sorted(waits)
+    later = [wait - 1 if wait else block_size - 1 for wait in waits]  # steps after `step` before the next take
+    assert clock.blocks_due(step) == (waits.count(0), min(later, default=NEVER))

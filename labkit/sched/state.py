@@ -153,10 +153,18 @@ class ClockBlocks:
         twin.residues, twin.sum_quotients = self.residues.copy(), self.sum_quotients
         return twin
 
-    def steps_to_next_blocks(self, t: int) -> list[int]:
-        """For each request, how many steps after step t pass before the step that takes its
-        next block: 0 if step t does."""
-        return [(self.block_size - 1 - residue - t) % self.block_size for residue in self.residues]
+    def blocks_due(self, t: int) -> tuple[int, int]:
+        """How many of them take a block in step t, and how many steps after it pass before
+        one of them takes another (NEVER if there are none)."""
+        residues, block_size = self.residues, self.block_size
+        if not residues:
+            return 0, NEVER
+        due = (block_size - 1 - t) % block_size  # the residue of those that take one in step t
+        first, end = bisect.bisect_left(residues, due), bisect.bisect_right(residues, due)
+        if end - first == len(residues):
+            return end - first, block_size - 1
+        next_due = residues[first - 1] if first else residues[-1]  # the nearest residue below, cyclically
+        return end - first, (due - next_due) % block_size - 1
 
 
 class Seats:
@@ -391,11 +399,8 @@ class SchedulerState:
         most_needed = num_first_irregular + batch.num_steady + batch.size * -(-(max_steps - 1) // block_size)
         if most_needed <= num_free:  # plenty: every request may grow every block_size steps
             return max_steps
-        num_first_blocks, room = num_first_irregular, NEVER
-        if self.seats.growing:
-            waits = self.seats.clock_blocks.steps_to_next_blocks(self.seats.now)
-            num_first_blocks += waits.count(0)
-            room = min([wait - 1 if wait else block_size - 1 for wait in waits])
+        num_first_steady, room = self.seats.clock_blocks.blocks_due(self.seats.now)
+        num_first_blocks = num_first_irregular + num_first_steady
         for request, num_tokens in batch.irregular:
             cached = request.num_computed + num_tokens
             room = min(room, max(self.blocks.num_blocks_for(cached), request.num_blocks_held) * block_size - cached)
