@@ -20,8 +20,8 @@ Invariants:
   instead of spinning;
 - a back end that plans step durations ahead may run a decision of plain decode steps
   for every step until the next event (a finish, an arrival, the policy's wake time, or
-  the point where the free blocks might not cover growth) at once; this gives the same log
-  as asking the policy before every step, because policies decide only on events (see
+  the step the free blocks no longer cover the requests' growth) at once; this gives the
+  same log as asking the policy before every step, because policies decide only on events (see
   `labkit.sched.policy`). An arrival is no event while the head of the queue is blocked
   under a policy that `admits_in_order`; it still counts in the log's queue depth from
   the step it arrives. With `on_step`, the policy is asked before every step.
@@ -168,7 +168,7 @@ def _idle_until(state: SchedulerState, pending: Pending, decision: Decision, pol
 
 def _steps_until_event(state, batch: Batch, pending: Pending, decision: Decision, backend: Backend, policy) -> int:
     """Plain decode steps the decision holds for: until a request finishes, one arrives (if
-    that matters), the policy wakes, or the free blocks might not cover the requests' growth.
+    that matters), the policy wakes, or the free blocks stop covering the requests' growth.
     The first of them may complete prefills."""
     count = state.steps_until_a_finish(batch)
     if state.blocks is not None:

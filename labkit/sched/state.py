@@ -153,18 +153,16 @@ class ClockBlocks:
         twin.residues, twin.sum_quotients = self.residues.copy(), self.sum_quotients
         return twin
 
-    def blocks_due(self, t: int) -> tuple[int, int]:
-        """How many of them take a block in step t, and how many steps after it pass before
-        one of them takes another (NEVER if there are none)."""
+    def last_step_within(self, num_blocks: int) -> int:
+        """The last step t before which they hold at most `num_blocks` blocks (held_at is
+        nondecreasing in t); NEVER if there are none. At a step t = c b + u they hold
+        sum(q) + n c + #{r >= b - u}: the last cycle c within reach, then the last phase u in
+        it at which no more than the blocks to spare have a residue that large."""
         residues, block_size = self.residues, self.block_size
         if not residues:
-            return 0, NEVER
-        due = (block_size - 1 - t) % block_size  # the residue of those that take one in step t
-        first, end = bisect.bisect_left(residues, due), bisect.bisect_right(residues, due)
-        if end - first == len(residues):
-            return end - first, block_size - 1
-        next_due = residues[first - 1] if first else residues[-1]  # the nearest residue below, cyclically
-        return end - first, (due - next_due) % block_size - 1
+            return NEVER
+        cycles, spare = divmod(num_blocks - self.sum_quotients, len(residues))
+        return cycles * block_size + block_size - 1 - residues[len(residues) - 1 - spare]
 
 
 class Seats:
@@ -391,20 +389,21 @@ class SchedulerState:
         return min([steady, *(r.output_len - r.num_generated for r, _ in batch.irregular)])
 
     def steps_within_free_blocks(self, batch: Batch, max_steps: int) -> int:
-        """Of the next `max_steps` steps of `batch`, those that surely need no more blocks than
-        are free: none before the first request fills its last block after the first step,
-        then at most one block per request every `block_size` steps."""
-        block_size, num_free = self.blocks.block_size, self.blocks.num_free_blocks
-        num_first_irregular = sum(self.num_new_blocks(r, n) for r, n in batch.irregular)
-        most_needed = num_first_irregular + batch.num_steady + batch.size * -(-(max_steps - 1) // block_size)
-        if most_needed <= num_free:  # plenty: every request may grow every block_size steps
-            return max_steps
-        num_first_steady, room = self.seats.clock_blocks.blocks_due(self.seats.now)
-        num_first_blocks = num_first_irregular + num_first_steady
+        """Of the next `max_steps` steps of `batch`, as many as the free blocks cover. Each
+        request takes a block whenever its tokens cross a block boundary, as the growing steady
+        ones do (`ClockBlocks`): the irregular ones too, once the first step's tokens are in,
+        unless they already hold blocks for the whole run (a static reservation)."""
+        now, block_size = self.seats.now, self.blocks.block_size
+        growing = self.seats.clock_blocks.copy()
+        num_blocks = self.blocks.num_free_blocks + growing.held_at(now)  # what they may hold in all
         for request, num_tokens in batch.irregular:
-            cached = request.num_computed + num_tokens
-            room = min(room, max(self.blocks.num_blocks_for(cached), request.num_blocks_held) * block_size - cached)
-        return min(max_steps, 1 + room + block_size * ((num_free - num_first_blocks) // batch.size))
+            cached, held = request.num_computed + num_tokens, request.num_blocks_held  # cached: after the first step
+            if held * block_size >= cached + max_steps - 1:
+                continue
+            assert held <= -(-cached // block_size), f"{request} holds blocks beyond its tokens but not for the run"
+            growing.add(cached - now)
+            num_blocks += held
+        return min(max_steps, growing.last_step_within(num_blocks) - now)
 
     # Applying a decision and running steps
 
