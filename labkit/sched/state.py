@@ -114,7 +114,9 @@ class Request:
 
 
 class ClockBlocks:
-    """The KV blocks that growing steady requests hold, from the step clock alone.
+    """The KV blocks held, by the step clock alone, by requests that decode a token every step
+    and hold just the blocks their tokens fill: the growing steady ones (`Seats`), and, for
+    the bound on a run, the irregular ones of its batch too.
 
     A request whose cache holds `base + t - 1` tokens at the decision before step t holds
     ceil((base + t - 1) / b) blocks then, b the block size. Writing base + b - 2 = q b + r
