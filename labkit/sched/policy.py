@@ -265,17 +265,11 @@ class _Plan:
     def decode(self, request: Request) -> bool:
         """Schedule a plain decode that needs no preemption, cheaply; False if `request` is not
         one (the general path then decides)."""
-        if request.num_uncomputed != 1 or not request.num_generated or self.budget < 1:
-            return False
-        num_cached = request.num_prompt_tokens + request.num_generated - 1
-        num_new_blocks = 0 if self.state.blocks is None or num_cached < self.block_capacity(request) else 1
-        if num_new_blocks > self.free_blocks:
+        num_new_blocks = self.state.decode_blocks(request)
+        if num_new_blocks is None or num_new_blocks > self.free_blocks or self.budget < 1:
             return False
         self.schedule(request, 1, num_new_blocks)
         return True
-
-    def block_capacity(self, request: Request) -> int:
-        return request.num_blocks_held * self.state.blocks.block_size
 
     def schedule(self, request: Request, num_tokens: int, num_new_blocks: int) -> None:
         self.free_blocks -= num_new_blocks

@@ -222,6 +222,13 @@ class Seats:
             return self.clock_blocks.held_by(self.cached_base[slot], self.blocks_now)
         return self.num_blocks_held[slot]
 
+    def decode_blocks(self, slot: int) -> int:
+        """Blocks the steady request in `slot` takes in step `now`."""
+        if slot not in self.growing:
+            return 0
+        base = self.cached_base[slot]
+        return self.clock_blocks.held_by(base, self.now + 1) - self.clock_blocks.held_by(base, self.now)
+
     def make_steady(self, request: Request) -> None:
         """From now on `request` decodes in every step, until it finishes."""
         slot = request.slot
@@ -355,6 +362,13 @@ class SchedulerState:
         if self.blocks is None:
             return 0
         return max(0, self.blocks.num_blocks_for(request.num_computed + num_tokens) - request.num_blocks_held)
+
+    def decode_blocks(self, request: Request) -> int | None:
+        """Blocks a running `request` must take to decode its next token; None if its next step is
+        not a plain decode. From the clock for a steady request."""
+        if request.slot in self.seats.steady:
+            return self.seats.decode_blocks(request.slot)
+        return self.num_new_blocks(request, 1) if request.is_decoding else None
 
     def waiting_head(self, count: int) -> list[Request]:
         """The first `count` waiting requests, FCFS."""
