@@ -48,7 +48,7 @@ def report(policy, seconds: float, log: lk.StepLog) -> None:
     print(
         f"{policy!r:26} {seconds:6.3f} s  {len(log.trace) / seconds:8,.0f} requests/s  "
         f"{log.num_tokens / seconds / 1e6:5.1f} M tokens/s  {slot_steps / seconds / 1e6:5.1f} M slot-steps/s  "
-        f"({log.num_steps:,} steps, utilization {log.utilization:.1%})"
+        f"({log.num_steps:,} steps in {log.num_runs:,} runs, utilization {log.utilization:.1%})"
     )
 
 

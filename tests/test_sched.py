@@ -39,6 +39,8 @@ def test_toy_continuous_schedule():
     assert log.slots.tolist() == TOY_CONTINUOUS
     assert (log.num_steps, log.num_tokens) == (17, 32)
     assert log.utilization == 32 / 34
+    # one run per decision, and a decision only where someone finished and the rows change
+    assert log.num_runs == 1 + sum(before != after for before, after in zip(TOY_CONTINUOUS, TOY_CONTINUOUS[1:]))
 
 
 def test_toy_queue_depth_and_milestones():
@@ -212,6 +214,7 @@ def test_fast_forward_equals_asking_the_policy_every_step(trace, num_slots, make
     stepped = lk.simulate(trace, make(num_slots), step_time=0.1, on_step=lambda log: seen.append(log.num_steps))
     jumped = lk.simulate(trace, make(num_slots), step_time=0.1)
     assert seen == list(range(1, jumped.num_steps + 1))
+    assert stepped.num_runs == stepped.num_steps >= jumped.num_runs
     assert stepped.slots.tolist() == jumped.slots.tolist()
     assert stepped.num_queued.tolist() == jumped.num_queued.tolist()
     assert stepped.blocked.tolist() == jumped.blocked.tolist()

@@ -241,6 +241,13 @@ class StepLog:
     # Aggregates
 
     @property
+    def num_runs(self) -> int:
+        """Runs of identical steps recorded: one per decision that ran steps. A simulation runs
+        a decision until its next event, so it has far fewer runs than steps; with `on_step`
+        (and on the engine) every step is a run."""
+        return len(self._segments)
+
+    @property
     def utilization(self) -> float:
         """Useful slot-steps / (num_slots * num_steps)."""
         return self.num_tokens / (self.num_slots * self.num_steps) if self.num_steps else 0.0
