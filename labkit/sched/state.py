@@ -175,9 +175,8 @@ class Seats:
     and becomes finished when `now` reaches `finish_at[k]`; `finish_at[k]` is NEVER, and
     `steady_id[k]` is -1, for any other slot. `sum_steady_base` is the sum of `cached_base`
     over steady requests, and `steady_tokens` maps each one's id to 1, its decode token.
-    `_finishes` is a heap of (finish_at, slot) holding every steady
-    request's entry, and stale ones (whose slot's `finish_at` differs) that are skipped when
-    they come up.
+    `_finishes` is a heap of (finish_at, slot) holding every steady request's entry, and
+    stale ones (whose slot's `finish_at` differs), skipped when they come up.
 
     With a pool, `num_blocks_held[k]` is how many KV blocks slot k's request holds, except
     for the steady requests in `growing` (those holding just the blocks their tokens fill):
