@@ -397,6 +397,24 @@ def test_with_every_knob_each_request_emits_exactly_its_length(trace, policy, ti
         assert (jumped.num_prefill_tokens + jumped.num_decode_tokens).max() <= policy.max_tokens_per_step
 
 
+@settings(max_examples=80, deadline=None)
+@given(trace=prompted_traces(), num_slots=st.integers(1, 5), num_blocks=st.integers(4, 40),
+       block_size=st.integers(1, 6), timing=st.sampled_from(TIMINGS), dynamic=st.booleans())
+def test_static_batches_that_reserve_blocks_jump_as_they_step(trace, num_slots, num_blocks, block_size, timing, dynamic):
+    pool = {"num_blocks": num_blocks, "block_size": block_size}
+    policy = lk.Dynamic(num_slots, timeout=0.2, **pool) if dynamic else lk.Static(num_slots, **pool)
+    try:
+        jumped = lk.simulate(trace, policy, **timing)
+    except ValueError:  # a request whose whole length the pool cannot hold is refused up front
+        return
+    stepped = lk.simulate(trace, policy, on_step=lambda log: None, **timing)
+    assert jumped.slots.tolist() == stepped.slots.tolist()
+    assert jumped.blocked.tolist() == stepped.blocked.tolist()
+    assert jumped.num_queued.tolist() == stepped.num_queued.tolist()
+    assert jumped.num_blocks_used.tolist() == stepped.num_blocks_used.tolist()
+    np.testing.assert_allclose(jumped.step_start, stepped.step_start)
+
+
 @settings(max_examples=40, deadline=None)
 @given(trace=prompted_traces(), num_slots=st.integers(1, 5))
 def test_limits_that_never_bind_change_nothing(trace, num_slots):

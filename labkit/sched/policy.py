@@ -299,7 +299,7 @@ class Static(_Policy):
 
     def schedule(self, state: SchedulerState) -> Decision:
         if state.running():
-            return Decision(blocked=NO_SLOT if state.waiting else "")
+            return Decision(blocked=self._reason_while_running(state))
         held = state.finished_in_slots()
         if not state.waiting:
             return Decision(release=_ids(held))
@@ -308,6 +308,17 @@ class Static(_Policy):
             return Decision(release=_ids(held), blocked=BATCH_FORMING, wake_at=wake_at)
         admit, blocked = self._batch(state, state.num_free_blocks() + sum(r.num_blocks_held for r in held))
         return Decision(release=_ids(held), admit=_ids(admit), blocked=blocked)
+
+    def _reason_while_running(self, state: SchedulerState) -> str:
+        """Why the head of the queue waits while a batch runs, the same in every step of it:
+        for blocks, if the batch left slots free but the head's whole length does not fit the
+        blocks its reservations left (they hold until the batch ends); else for a slot, since a
+        running batch takes nobody in."""
+        if not state.waiting:
+            return ""
+        free_slot_but_no_blocks = state.num_free_slots() and state.blocks is not None and (
+            state.blocks.num_blocks_for(state.waiting[0].max_context_len) > state.num_free_blocks())
+        return NO_BLOCKS if free_slot_but_no_blocks else NO_SLOT
 
     def _batch(self, state: SchedulerState, free_blocks: float) -> tuple[list[Request], str]:
         """Up to `num_slots` waiting requests, FCFS, while their whole-length reservations fit."""
