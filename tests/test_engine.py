@@ -1,18 +1,24 @@
-"""The engine: same policies, same StepLog, real tokens. fp32 on the CPU, tiny configs."""
+"""The engine: same policies, same StepLog, real tokens. fp32 on the CPU, tiny configs.
+
+Every test that takes the `engine` fixture runs under both attention layouts."""
+
+from dataclasses import replace
 
 import numpy as np
 import pytest
+import torch
 
 import labkit as lk
 from labkit.engine import Engine, ModelConfig
+from labkit.engine.attention import ATTENTION_LAYOUTS
 
 TINY = ModelConfig(vocab_size=97, d_model=32, n_layers=2, n_heads=2, d_ff=64, max_seq_len=128)
 MIXED = lk.Trace.from_lengths([5, 1, 9, 3, 7, 2], prompt_lengths=[3, 0, 12, 1, 20, 6])
 
 
-@pytest.fixture(scope="module")
-def engine():
-    return Engine(TINY, device="cpu", seed=0)
+@pytest.fixture(scope="module", params=ATTENTION_LAYOUTS)
+def engine(request):
+    return Engine(replace(TINY, attention=request.param), device="cpu", seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +44,13 @@ def test_batched_outputs_equal_solo_outputs(engine, solo, policy):
     assert log.outputs == solo
 
 
+def test_the_two_attention_layouts_give_the_same_tokens():
+    policy = lk.Continuous(num_slots=3, max_tokens_per_step=8, chunked_prefill=True)
+    outputs = [Engine(replace(TINY, attention=layout), device="cpu", seed=0).run(MIXED, policy, progress=False).outputs
+               for layout in ATTENTION_LAYOUTS]
+    assert outputs[0] == outputs[1]
+
+
 def test_outputs_have_exactly_the_requested_lengths(solo):
     assert [len(solo[int(rid)]) for rid in MIXED.ids] == MIXED.output_lengths.tolist()
 
@@ -55,8 +68,8 @@ def test_a_wrong_block_table_breaks_the_equality(engine, solo, monkeypatch):
 
     build = runner.StepBatch.build
 
-    def reversed_tables(new_tokens, starts, tables, block_size):
-        return build(new_tokens, starts, [t.flip(0) for t in tables], block_size)
+    def reversed_tables(new_tokens, starts, tables, block_size, device):
+        return build(new_tokens, starts, [table[::-1] for table in tables], block_size, device)
 
     monkeypatch.setattr(runner.StepBatch, "build", reversed_tables)
     log = engine.run(MIXED, lk.Continuous(num_slots=3), progress=False)
@@ -187,8 +200,41 @@ def test_arrivals_are_served_on_the_measured_clock(engine):
             lambda: Engine(TINY, device="cpu").run(MIXED, lk.Continuous(2, max_tokens_per_step=16)),
             "request 2: its prompt can take 13 tokens|request 4: its prompt can take 21 tokens",
         ),
+        (lambda: Engine(TINY, device="cpu", threads=0), "threads = 0: must be a whole number >= 1"),
+        (lambda: Engine(TINY, device="cpu", threads=1.5), "threads = 1.5: must be a whole number >= 1"),
+        (lambda: Engine(TINY, device="cpu", dtype="fp8"), "dtype = 'fp8': must be one of float32, bfloat16, float16"),
     ],
 )
 def test_bad_input_fails_before_any_work(make, message):
     with pytest.raises(ValueError, match=message):
         make()
+
+
+def test_threads_are_set_only_while_the_engine_works():
+    before = torch.get_num_threads()
+    inside = []
+    engine = Engine(TINY, device="cpu", threads=before + 1)
+    engine.run(lk.Trace.toy(), lk.Continuous(2), on_step=lambda log: inside.append(torch.get_num_threads()),
+               progress=False)
+    assert set(inside) == {before + 1}
+    assert torch.get_num_threads() == before
+
+
+def test_the_default_leaves_one_cpu_free():
+    import os
+
+    from labkit.engine.device import default_threads
+
+    assert default_threads() == max(1, len(os.sched_getaffinity(0)) - 1)
+    assert Engine(TINY, device="cpu").threads == default_threads()
+
+
+def test_a_bfloat16_engine_serves_every_token():
+    engine = Engine(TINY, device="cpu", dtype="bfloat16")
+    assert {p.dtype for p in engine.model.parameters()} == {torch.bfloat16}
+    log = engine.run(MIXED, lk.Continuous(num_slots=3), progress=False)
+    assert [len(log.outputs[int(rid)]) for rid in MIXED.ids] == MIXED.output_lengths.tolist()
+
+
+def test_cuda_graphs_are_for_cuda_only():
+    assert not Engine(TINY, device="cpu", cuda_graphs=True).cuda_graphs

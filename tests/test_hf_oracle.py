@@ -5,6 +5,7 @@ import torch
 
 import labkit as lk
 from labkit.engine import Engine
+from labkit.engine.attention import ATTENTION_LAYOUTS
 from labkit.engine.kv import PagedKVCache
 from labkit.engine.model import ModelConfig, StepBatch, TinyGPT
 
@@ -22,9 +23,9 @@ def hf_model():
     return transformers.LlamaForCausalLM(CONFIG.to_hf_llama_config()).float().eval()
 
 
-@pytest.fixture(scope="module")
-def model(hf_model):
-    return TinyGPT.from_hf_llama(hf_model).eval()
+@pytest.fixture(scope="module", params=ATTENTION_LAYOUTS)
+def model(hf_model, request):
+    return TinyGPT.from_hf_llama(hf_model, attention=request.param).eval()
 
 
 def prompt(length, seed):
@@ -55,8 +56,16 @@ def test_config_round_trip():
 def test_copied_weights_are_hf_weights(model, hf_model):
     hf_weights = hf_model.state_dict()
     assert model.num_parameters() == hf_model.num_parameters()
+    stacked = {f"{layer}.{name}" for layer in ("self_attn", "mlp") for name in ("qkv_proj", "gate_up_proj")}
     for name, p in model.state_dict().items():
-        assert torch.equal(p, hf_weights[name]), name
+        if not any(s in name for s in stacked):
+            assert torch.equal(p, hf_weights[name]), name
+    for i, layer in enumerate(model.model.layers):
+        hf = hf_model.model.layers[i]
+        for stacked_weight, parts in ((layer.self_attn.qkv_proj.weight, (hf.self_attn.q_proj, hf.self_attn.k_proj,
+                                                                          hf.self_attn.v_proj)),
+                                      (layer.mlp.gate_up_proj.weight, (hf.mlp.gate_proj, hf.mlp.up_proj))):
+            assert torch.equal(stacked_weight, torch.cat([part.weight for part in parts])), i
 
 
 @pytest.mark.parametrize("length", PROMPT_LENS)
@@ -85,9 +94,10 @@ def test_greedy_tokens_match_hf_generate(model, hf_model):
     assert greedy_paged(model, prompts, NUM_OUT) == expected
 
 
-def test_engine_under_continuous_batching_matches_hf_generate(hf_model):
+@pytest.mark.parametrize("attention", ATTENTION_LAYOUTS)
+def test_engine_under_continuous_batching_matches_hf_generate(hf_model, attention):
     """The whole engine (scheduler, block pool, paged cache, TinyGPT) against transformers."""
-    engine = Engine(model=TinyGPT.from_hf_llama(hf_model), device="cpu", seed=3)
+    engine = Engine(model=TinyGPT.from_hf_llama(hf_model, attention=attention), device="cpu", seed=3)
     trace = lk.Trace.from_lengths([6, 3, 9, 5, 2], prompt_lengths=[0, 4, 11, 7, 20])
     log = engine.run(trace, lk.Continuous(num_slots=2, block_size=BLOCK_SIZE), progress=False)
     expected = {

@@ -2,12 +2,14 @@
 
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
 
+from labkit.engine.attention import ATTENTION_LAYOUTS
 from labkit.engine.device import resolve_device
-from labkit.engine.kv import PagedKVCache, slot_ids
+from labkit.engine.kv import PagedKVCache
 from labkit.engine.model import ModelConfig, StepBatch, TinyGPT
 
 CONFIG = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, d_ff=64, max_seq_len=64)
@@ -15,9 +17,9 @@ BLOCK_SIZE = 4
 NUM_BLOCKS = 16
 
 
-@pytest.fixture(scope="module")
-def model():
-    return TinyGPT(CONFIG, seed=0).eval()
+@pytest.fixture(scope="module", params=ATTENTION_LAYOUTS)
+def model(request):
+    return TinyGPT(replace(CONFIG, attention=request.param), seed=0).eval()
 
 
 def noisy_cache(seed=1):
@@ -58,15 +60,17 @@ def dense_logits(model, ids):
     future = torch.triu(torch.ones(L, L, dtype=torch.bool), diagonal=1)  # (L, L)
     for layer in body.layers:
         attn, mlp = layer.self_attn, layer.mlp
+        wq, wk, wv = attn.qkv_proj.weight.chunk(3)  # (C, C) each
         h = norm(x, layer.input_layernorm.weight)
-        q = rope((h @ attn.q_proj.weight.T).view(L, nh, hs)).transpose(0, 1)  # (nh, L, hs)
-        k = rope((h @ attn.k_proj.weight.T).view(L, nh, hs)).transpose(0, 1)  # (nh, L, hs)
-        v = (h @ attn.v_proj.weight.T).view(L, nh, hs).transpose(0, 1)  # (nh, L, hs)
+        q = rope((h @ wq.T).view(L, nh, hs)).transpose(0, 1)  # (nh, L, hs)
+        k = rope((h @ wk.T).view(L, nh, hs)).transpose(0, 1)  # (nh, L, hs)
+        v = (h @ wv.T).view(L, nh, hs).transpose(0, 1)  # (nh, L, hs)
         scores = (q @ k.transpose(1, 2) / hs**0.5).masked_fill(future, float("-inf"))  # (nh, L, L)
         y = (scores.softmax(-1) @ v).transpose(0, 1).reshape(L, -1)  # (L, C)
         x = x + y @ attn.o_proj.weight.T
         h = norm(x, layer.post_attention_layernorm.weight)
-        gate, up = h @ mlp.gate_proj.weight.T, h @ mlp.up_proj.weight.T
+        w_gate, w_up = mlp.gate_up_proj.weight.chunk(2)  # (d_ff, C) each
+        gate, up = h @ w_gate.T, h @ w_up.T
         x = x + (torch.nn.functional.silu(gate) * up) @ mlp.down_proj.weight.T
     return norm(x, body.norm.weight) @ model.lm_head.weight.T  # (L, vocab)
 
@@ -117,7 +121,7 @@ def decode_with_table(model, read_table):
     model(StepBatch.build([prompt(7, seed=0), prompt(8, seed=4)], [0, 0], [table(9, 2), table(5, 11)], BLOCK_SIZE),
           cache)
     batch = StepBatch.build([[5]], [7], [read_table], BLOCK_SIZE)
-    batch.write_slots = slot_ids(table(9, 2), torch.tensor([7]), BLOCK_SIZE)
+    batch.write_slots = StepBatch.build([[5]], [7], [table(9, 2)], BLOCK_SIZE).write_slots
     return model(batch, cache)[0]
 
 
@@ -208,8 +212,9 @@ def test_cache_rejects_bad_sizes(field, value):
 
 def test_cache_shape():
     cache = PagedKVCache(CONFIG, num_blocks=5, block_size=3, device="cpu")
-    assert cache.k.shape == cache.v.shape == (2, 5, 3, 2, 16)
-    assert cache.num_bytes == 2 * 2 * 5 * 3 * 32 * 4
+    assert cache.k.shape == cache.v.shape == (2, 6, 3, 2, 16)  # five blocks to lend, and the padding block
+    assert cache.padding_block == 5 and cache.num_slots == 18
+    assert cache.num_bytes == 2 * 2 * 6 * 3 * 32 * 4
     k, _ = cache.layer(1)
     k[7] = 1.0
     assert cache.k[1, 2, 1].eq(1.0).all()  # slot 7 = block 2, offset 1

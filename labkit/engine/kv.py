@@ -8,6 +8,9 @@ context lives in the blocks its block table lists, in order: position p sits in 
 Invariants:
 
 - `k` and `v` are allocated in the constructor and never reallocated, only written;
+- they hold one block more than `num_blocks`: the padding block, id `num_blocks`, which no
+  request is ever lent. Rows that only pad a step to a fixed shape (a CUDA graph's batch
+  bucket) write and read there, so they touch nobody's keys and values;
 - this module decides nothing: which blocks are free and who owns them is labkit.sched's job.
 """
 
@@ -21,13 +24,8 @@ if TYPE_CHECKING:
     from labkit.engine.model import ModelConfig
 
 
-def slot_ids(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Flat cache slot of each position of one request: block_id * block_size + offset."""
-    return block_table[positions // block_size] * block_size + positions % block_size
-
-
 class PagedKVCache:
-    """Keys and values of every layer, as (n_layers, num_blocks, block_size, n_heads, head_dim)."""
+    """Keys and values of every layer, as (n_layers, num_blocks + 1, block_size, n_heads, head_dim)."""
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, device, dtype=torch.float32):
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
@@ -35,13 +33,18 @@ class PagedKVCache:
                 raise ValueError(f"{name} = {value!r}: must be a whole number >= 1")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        shape = (config.n_layers, num_blocks, block_size, config.n_heads, config.head_dim)
+        shape = (config.n_layers, num_blocks + 1, block_size, config.n_heads, config.head_dim)  # + the padding block
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
 
     @property
+    def padding_block(self) -> int:
+        return self.num_blocks
+
+    @property
     def num_slots(self) -> int:
-        return self.num_blocks * self.block_size
+        """Every slot, the padding block's included."""
+        return (self.num_blocks + 1) * self.block_size
 
     @property
     def num_bytes(self) -> int:

@@ -2,32 +2,55 @@
 
 The architecture is Hugging Face's `LlamaForCausalLM`, module for module and name for
 name: RMSNorm, rotary positions (rotate_half convention), SwiGLU MLP, no biases, an
-untied LM head, and as many key/value heads as query heads. `TinyGPT.from_hf_llama`
-therefore copies an HF model's weights with one `load_state_dict`.
+untied LM head, and as many key/value heads as query heads. Two things differ, as in
+vLLM and nano-vllm: the q, k and v projections are stacked into one `qkv_proj`, and
+gate and up into one `gate_up_proj`, so each is one matrix multiply, not three or two.
+`TinyGPT.from_hf_llama` stacks an HF model's weights so and loads them.
 
 One forward call is one engine step (Orca's selective batching):
 
 - the new tokens of every scheduled request, prefill or decode, are concatenated into
   one (T, d_model) matrix with no padding, and every linear layer runs on it at once;
-- attention alone runs per request: each request's queries attend to its own keys and
-  values, gathered from the paged KV cache through its block table.
+- attention alone sees requests: each request's queries attend to its own keys and
+  values, read from the paged KV cache through its block table, either in one batched
+  pass per layer (`attention="batched"`, the default) or one call per request
+  (`attention="per_request"`, Orca's loop); see `labkit.engine.attention`.
 
 Invariants:
 
 - a token at position p sees exactly the cache positions 0..p of its own request;
-- the result for a request does not depend on which other requests share the step;
+- the result for a request does not depend on which other requests share the step,
+  nor on the attention layout;
 - the K/V this step writes land at `write_slots` before any request reads the cache.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+import itertools
+
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from labkit.engine.kv import PagedKVCache, slot_ids
+from labkit.engine.attention import ATTENTION_LAYOUTS, GatherScratch, plan_attention
+from labkit.engine.kv import PagedKVCache
+
+
+# TinyGPT's stacked projections, and HF's projections each one stacks, in order
+STACKED_PROJECTIONS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def stack_hf_projections(hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """An HF Llama state dict with each layer's q/k/v and gate/up weights stacked as TinyGPT keeps them."""
+    state = dict(hf_state)
+    for stacked, parts in STACKED_PROJECTIONS.items():
+        for name in [n for n in state if n.endswith(f".{parts[0]}.weight")]:
+            prefix = name.removesuffix(f"{parts[0]}.weight")  # e.g. "model.layers.0.self_attn."
+            state[f"{prefix}{stacked}.weight"] = torch.cat([state.pop(f"{prefix}{part}.weight") for part in parts])
+    return state
 
 
 # ModelConfig field -> the same field in Hugging Face's LlamaConfig
@@ -44,7 +67,11 @@ _HF_NAMES = (
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Sizes of TinyGPT. `max_seq_len` is the longest sequence (prompt + output) it accepts."""
+    """Sizes of TinyGPT. `max_seq_len` is the longest sequence (prompt + output) it accepts.
+
+    attention: "batched" (one pass per layer over every request) or "per_request" (Orca's
+    loop); both give the same tokens, and neither changes a weight.
+    """
 
     vocab_size: int = 512
     d_model: int = 256
@@ -54,6 +81,7 @@ class ModelConfig:
     max_seq_len: int = 2048
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
+    attention: str = "batched"
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len"):
@@ -64,6 +92,8 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{name} = {value!r}: must be a number > 0")
+        if self.attention not in ATTENTION_LAYOUTS:
+            raise ValueError(f"attention = {self.attention!r}: must be one of {', '.join(ATTENTION_LAYOUTS)}")
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model = {self.d_model}: must be divisible by n_heads = {self.n_heads}")
         if self.head_dim % 2:
@@ -120,37 +150,55 @@ class StepBatch:
     """What one engine step feeds the model. Tokens are concatenated request by request.
 
     input_ids, positions, write_slots: long (T,) on the model's device.
+    last_rows: long (R,), the row of each request's last new token (its logits are returned).
+    block_tables: long (R, max_blocks), request i's block ids in row i, padded with 0.
     num_new[i]: how many of the T tokens belong to request i (prefill: many, decode: 1).
-    block_tables[i]: long (num_blocks_i,) block ids covering request i's context.
     context_lens[i]: tokens in request i's KV after this step's writes (= last position + 1).
     """
 
     input_ids: torch.Tensor
     positions: torch.Tensor
     write_slots: torch.Tensor
+    last_rows: torch.Tensor
+    block_tables: torch.Tensor
     num_new: list[int]
-    block_tables: list[torch.Tensor]
     context_lens: list[int]
 
     def __post_init__(self):
-        num_tokens = self.input_ids.shape[0]
+        num_tokens, num_requests = self.input_ids.shape[0], len(self.num_new)
         assert self.positions.shape == self.write_slots.shape == (num_tokens,)
-        assert len(self.num_new) == len(self.block_tables) == len(self.context_lens)
+        assert self.last_rows.shape == (num_requests,) == self.block_tables.shape[:1] and len(self.context_lens) == num_requests
         assert sum(self.num_new) == num_tokens and min(self.num_new, default=1) >= 1
 
     @classmethod
-    def build(cls, new_tokens: list[list[int]], start_positions: list[int], block_tables: list[torch.Tensor],
-              block_size: int) -> StepBatch:
-        """Request i contributes tokens new_tokens[i] at positions start_positions[i], ... ."""
-        device = block_tables[0].device
-        positions = [torch.arange(p, p + len(t), device=device) for t, p in zip(new_tokens, start_positions)]
+    def build(cls, new_tokens: list[list[int]], start_positions: list[int], block_tables: list, block_size: int,
+              device: torch.device | str = "cpu") -> StepBatch:
+        """Request i contributes tokens new_tokens[i] at positions start_positions[i], ... ;
+        block_tables[i] lists its block ids (a list, an array or a CPU tensor).
+
+        Built with numpy on the host, then moved to `device` once per field."""
+        num_new = [len(t) for t in new_tokens]
+        num_tokens = sum(num_new)
+        request_of_row = np.repeat(np.arange(len(num_new)), num_new)  # (T,)
+        first_row = np.cumsum(num_new) - num_new  # (R,)
+        positions = np.repeat(start_positions, num_new) + np.arange(num_tokens) - first_row[request_of_row]  # (T,)
+        tables = np.zeros((len(num_new), max(len(t) for t in block_tables)), dtype=np.int64)  # (R, max_blocks)
+        for row, table in zip(tables, block_tables):
+            row[: len(table)] = table
+        write_slots = tables[request_of_row, positions // block_size] * block_size + positions % block_size  # (T,)
+        input_ids = np.fromiter(itertools.chain.from_iterable(new_tokens), dtype=np.int64, count=num_tokens)
+
+        def to_device(array):
+            return torch.from_numpy(array).to(device)
+
         return cls(
-            input_ids=torch.tensor([tok for t in new_tokens for tok in t], dtype=torch.long, device=device),
-            positions=torch.cat(positions),
-            write_slots=torch.cat([slot_ids(bt, pos, block_size) for bt, pos in zip(block_tables, positions)]),
-            num_new=[len(t) for t in new_tokens],
-            block_tables=list(block_tables),
-            context_lens=[p + len(t) for t, p in zip(new_tokens, start_positions)],
+            input_ids=to_device(input_ids),
+            positions=to_device(positions),
+            write_slots=to_device(write_slots),
+            last_rows=to_device(first_row + np.array(num_new) - 1),
+            block_tables=to_device(tables),
+            num_new=num_new,
+            context_lens=[p + n for p, n in zip(start_positions, num_new)],
         )
 
     @property
@@ -170,80 +218,63 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
-def rotate_half(x):
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+class Rotary(nn.Module):
+    """Rotary positions in HF's rotate_half convention: x * cos + rotate_half(x) * sin, where
+    rotate_half(x) = [-x2, x1] for the halves x1, x2 of a head, and cos = [cos(pf), cos(pf)] for
+    the frequencies f of position p.
+
+    cos and sin are tabled once for every position up to max_seq_len. A step looks its tokens'
+    rows up instead of computing them, and applies rotate_half(x) * sin as
+    roll(x, hs/2) * [-sin, sin] = [x2, x1] * [-sin, sin]: the same numbers in two ops, not four.
+    The tables are buffers, so they follow the model's device and dtype, but not its state dict."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        exponents = torch.arange(0, config.head_dim, 2, dtype=torch.float) / config.head_dim
+        inv_freq = 1.0 / (config.rope_theta**exponents)  # (hs/2,)
+        freqs = torch.arange(config.max_seq_len, dtype=torch.float)[:, None] * inv_freq[None, :]  # (max_len, hs/2)
+        self.register_buffer("cos", torch.cat((freqs.cos(), freqs.cos()), dim=-1), persistent=False)  # (max_len, hs)
+        self.register_buffer("signed_sin", torch.cat((-freqs.sin(), freqs.sin()), dim=-1), persistent=False)
+
+    def forward(self, positions):
+        """(T,) positions -> cos, signed_sin: (T, 1, hs) each, to broadcast over heads."""
+        return self.cos.index_select(0, positions)[:, None, :], self.signed_sin.index_select(0, positions)[:, None, :]
 
 
-def rotary(positions, config: ModelConfig, dtype):
-    """cos and sin of each token's position, (T, hs) each, in HF's layout: [freqs, freqs]."""
-    exponents = torch.arange(0, config.head_dim, 2, dtype=torch.float, device=positions.device) / config.head_dim
-    inv_freq = 1.0 / (config.rope_theta**exponents)  # (hs/2,)
-    freqs = positions[:, None].float() * inv_freq[None, :]  # (T, hs/2)
-    emb = torch.cat((freqs, freqs), dim=-1)  # (T, hs)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-@dataclass
-class _RequestView:
-    """Where one request sits in a step: its rows of T, its cache slots, its causal mask."""
-
-    rows: slice
-    context_slots: torch.Tensor  # (L,)
-    mask: torch.Tensor  # (n, L) bool, True = may attend
-
-
-def _request_views(batch: StepBatch, block_size: int) -> list[_RequestView]:
-    views, start = [], 0
-    for n, block_table, context_len in zip(batch.num_new, batch.block_tables, batch.context_lens):
-        cache_positions = torch.arange(context_len, device=batch.positions.device)  # (L,)
-        query_positions = batch.positions[start : start + n]  # (n,)
-        mask = query_positions[:, None] >= cache_positions[None, :]  # (n, L)
-        views.append(_RequestView(slice(start, start + n), slot_ids(block_table, cache_positions, block_size), mask))
-        start += n
-    return views
+def rotate(x, cos, signed_sin):
+    """x: (T, ..., hs) queries or keys; cos, signed_sin: (T, hs) broadcast to x. Returns x rotated by its positions."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.n_heads, self.head_dim = config.n_heads, config.head_dim
-        self.q_proj = nn.Linear(config.d_model, config.d_model, bias=False)
-        self.k_proj = nn.Linear(config.d_model, config.d_model, bias=False)
-        self.v_proj = nn.Linear(config.d_model, config.d_model, bias=False)
+        self.qkv_proj = nn.Linear(config.d_model, 3 * config.d_model, bias=False)  # HF's q_proj, k_proj, v_proj
         self.o_proj = nn.Linear(config.d_model, config.d_model, bias=False)
 
-    def forward(self, x, cos, sin, write_slots, k_cache, v_cache, views):
+    def forward(self, x, cos, signed_sin, write_slots, k_cache, v_cache, attention):
         T, C = x.shape
         nh, hs = self.n_heads, self.head_dim
-        q = self.q_proj(x).view(T, nh, hs)  # (T, nh, hs)
-        k = self.k_proj(x).view(T, nh, hs)  # (T, nh, hs)
-        v = self.v_proj(x).view(T, nh, hs)  # (T, nh, hs)
-        cos, sin = cos[:, None, :], sin[:, None, :]  # (T, 1, hs)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        # write this step's keys and values, then read each request's whole context
-        k_cache[write_slots] = k
-        v_cache[write_slots] = v
-        outs = []
-        for view in views:
-            q_i = q[view.rows].transpose(0, 1)  # (nh, n, hs)
-            k_i = k_cache[view.context_slots].transpose(0, 1)  # (nh, L, hs)
-            v_i = v_cache[view.context_slots].transpose(0, 1)  # (nh, L, hs)
-            y_i = F.scaled_dot_product_attention(q_i, k_i, v_i, attn_mask=view.mask)  # (nh, n, hs)
-            outs.append(y_i.transpose(0, 1).reshape(-1, C))  # (n, C)
-        return self.o_proj(torch.cat(outs))  # (T, C)
+        qkv = self.qkv_proj(x).view(T, 3, nh, hs)  # (T, 3, nh, hs): one GEMM for all three
+        qk = rotate(qkv[:, :2], cos[:, None], signed_sin[:, None])  # (T, 2, nh, hs): queries and keys at once
+        q, k, v = qk[:, 0], qk[:, 1], qkv[:, 2]  # (T, nh, hs) each
+        # write this step's keys and values, then let each request read its whole context
+        k_cache.index_copy_(0, write_slots, k)
+        v_cache.index_copy_(0, write_slots, v)
+        y = attention(q, k_cache, v_cache)  # (T, nh, hs)
+        return self.o_proj(y.reshape(T, C))  # (T, C)
 
 
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(config.d_model, config.d_ff, bias=False)
-        self.up_proj = nn.Linear(config.d_model, config.d_ff, bias=False)
+        self.gate_up_proj = nn.Linear(config.d_model, 2 * config.d_ff, bias=False)  # HF's gate_proj, up_proj
         self.down_proj = nn.Linear(config.d_ff, config.d_model, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (T, d_ff) each, from one GEMM
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Block(nn.Module):
@@ -254,8 +285,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(config)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, write_slots, k_cache, v_cache, views):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, write_slots, k_cache, v_cache, views)
+    def forward(self, x, cos, signed_sin, write_slots, k_cache, v_cache, attention):
+        x = x + self.self_attn(self.input_layernorm(x), cos, signed_sin, write_slots, k_cache, v_cache, attention)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -275,6 +306,8 @@ class TinyGPT(nn.Module):
         self.config = config
         self.model = Body(config)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.rotary = Rotary(config)
+        self.gather_scratch = GatherScratch()
         self._init_weights(seed)
 
     def _init_weights(self, seed: int):
@@ -292,25 +325,31 @@ class TinyGPT(nn.Module):
     @torch.no_grad()
     def forward(self, batch: StepBatch, cache: PagedKVCache) -> torch.Tensor:
         """One step: write the new tokens' K/V; return (num_requests, vocab) logits of each last new token."""
-        x = self.model.embed_tokens(batch.input_ids)  # (T, C)
-        cos, sin = rotary(batch.positions, self.config, x.dtype)  # (T, hs) each
-        views = _request_views(batch, cache.block_size)
+        attention = plan_attention(self.config.attention, batch.num_new, batch.context_lens, batch.block_tables,
+                                   cache.block_size, self.gather_scratch)
+        return self.logits(batch.input_ids, batch.positions, batch.write_slots, batch.last_rows, cache, attention)
+
+    @torch.no_grad()
+    def logits(self, input_ids, positions, write_slots, last_rows, cache: PagedKVCache, attention) -> torch.Tensor:
+        """The layers on (T,) tokens with an attention plan already made; (R, vocab) logits at `last_rows`.
+        Tensors only, so a CUDA graph can capture it (labkit.engine.cuda_graphs)."""
+        x = self.model.embed_tokens(input_ids)  # (T, C)
+        cos, signed_sin = self.rotary(positions)  # (T, 1, hs) each
         for i, block in enumerate(self.model.layers):
-            x = block(x, cos, sin, batch.write_slots, *cache.layer(i), views)
-        last = torch.tensor([view.rows.stop - 1 for view in views], device=x.device)  # (num_requests,)
-        return self.lm_head(self.model.norm(x[last]))  # (num_requests, vocab)
+            x = block(x, cos, signed_sin, write_slots, *cache.layer(i), attention)
+        return self.lm_head(self.model.norm(x.index_select(0, last_rows)))  # (R, vocab)
 
     def load_hf_llama(self, hf_model) -> TinyGPT:
         """Copy the weights of an HF `LlamaForCausalLM` of the same size into this model."""
-        expected = ModelConfig.from_hf_llama_config(hf_model.config)
+        expected = replace(ModelConfig.from_hf_llama_config(hf_model.config), attention=self.config.attention)
         if expected != self.config:
             raise ValueError(f"hf_model has config {expected}, this TinyGPT has {self.config}")
-        self.load_state_dict(hf_model.state_dict(), strict=True)
+        self.load_state_dict(stack_hf_projections(hf_model.state_dict()), strict=True)
         return self
 
     @classmethod
-    def from_hf_llama(cls, hf_model) -> TinyGPT:
+    def from_hf_llama(cls, hf_model, attention: str = "batched") -> TinyGPT:
         """A TinyGPT with an HF `LlamaForCausalLM`'s config and weights, on its device and dtype."""
         param = next(hf_model.parameters())
-        model = cls(ModelConfig.from_hf_llama_config(hf_model.config))
+        model = cls(replace(ModelConfig.from_hf_llama_config(hf_model.config), attention=attention))
         return model.to(device=param.device, dtype=param.dtype).load_hf_llama(hf_model)

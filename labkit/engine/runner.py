@@ -27,6 +27,7 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 
@@ -34,7 +35,8 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from labkit.engine.device import resolve_device
+from labkit.engine.cuda_graphs import DecodeGraphs
+from labkit.engine.device import default_threads, resolve_device, torch_threads
 from labkit.engine.kv import PagedKVCache
 from labkit.engine.model import ModelConfig, StepBatch, TinyGPT
 from labkit.sched import BlockPool, Request, SchedulerState, StepLog
@@ -43,6 +45,7 @@ from labkit.sched.driver import drive
 from labkit.traffic import Trace
 
 BOS_TOKEN = 0
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def sequence_lengths(trace: Trace) -> np.ndarray:
@@ -59,14 +62,31 @@ class Engine:
         device: str = "auto",
         seed: int = 0,
         model: TinyGPT | None = None,
+        threads: int | None = None,
+        dtype: str = "float32",
+        cuda_graphs: bool = True,
     ):
+        """threads: torch's intra-op CPU threads while the engine works; by default every
+        CPU but one (`labkit.engine.device.default_threads` says why).
+        dtype: "float32" (the default, for exact comparisons), "bfloat16" or "float16".
+        cuda_graphs: on a CUDA device, replay decode steps from CUDA graphs
+        (`labkit.engine.cuda_graphs`); ignored elsewhere.
+        """
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+            raise ValueError(f"threads = {threads!r}: must be a whole number >= 1")
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype = {dtype!r}: must be one of {', '.join(DTYPES)}")
         self.device = resolve_device(device)
-        self.model = (model or TinyGPT(config or ModelConfig(), seed=seed)).to(self.device).eval()
+        self.dtype = DTYPES[dtype]
+        self.model = (model or TinyGPT(config or ModelConfig(), seed=seed)).to(self.device, self.dtype).eval()
         self.config = self.model.config
         self.seed = seed
+        self.threads = threads or default_threads()
+        self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
 
     def __repr__(self) -> str:
-        return f"Engine({self.config}, device={str(self.device)!r}, seed={self.seed})"
+        return (f"Engine({self.config}, device={str(self.device)!r}, seed={self.seed}, threads={self.threads}, "
+                f"dtype={str(self.dtype).removeprefix('torch.')!r}, cuda_graphs={self.cuda_graphs})")
 
     def prompt_ids(self, request_id: int, prompt_len: int) -> list[int]:
         """The begin-of-sequence token and `prompt_len` prompt ids drawn from (seed, request id)."""
@@ -81,9 +101,10 @@ class Engine:
         self._check_fits(trace)
         self._check_vocabulary(trace)
         blocks = BlockPool(self._num_blocks(trace, policy), policy.block_size)
-        cache = PagedKVCache(self.config, blocks.num_blocks, blocks.block_size, self.device)
-        steps = _TorchSteps(self, cache, policy, trace)
-        with torch.inference_mode(), tqdm(
+        cache = PagedKVCache(self.config, blocks.num_blocks, blocks.block_size, self.device, self.dtype)
+        graphs = DecodeGraphs(self.model, cache) if self.cuda_graphs else None
+        steps = _TorchSteps(self, cache, policy, trace, graphs)
+        with torch.inference_mode(), torch_threads(self.threads), tqdm(
             total=int(trace.output_lengths.sum()), unit="tok", delay=1.0, disable=not progress, leave=False
         ) as steps.progress:
             log = drive(trace, policy, steps, on_step, blocks)
@@ -101,14 +122,15 @@ class Engine:
     def time_decode_step(self, batch_size: int, context_len: int = 128, repeats: int = 5, block_size: int = 16) -> float:
         """Median seconds of one decode step of `batch_size` requests, each `context_len` tokens deep."""
         blocks_per_request = -(-context_len // block_size)
-        cache = PagedKVCache(self.config, batch_size * blocks_per_request, block_size, self.device)
-        tables = torch.arange(batch_size * blocks_per_request, device=self.device).view(batch_size, -1)  # (B, blocks)
-        batch = StepBatch.build([[1]] * batch_size, [context_len - 1] * batch_size, list(tables), block_size)
+        cache = PagedKVCache(self.config, batch_size * blocks_per_request, block_size, self.device, self.dtype)
+        tables = np.arange(batch_size * blocks_per_request).reshape(batch_size, -1)  # (B, blocks)
+        batch = StepBatch.build([[1]] * batch_size, [context_len - 1] * batch_size, list(tables), block_size, self.device)
+        step = DecodeGraphs(self.model, cache) if self.cuda_graphs else functools.partial(self.model, cache=cache)
         timings = []
-        with torch.inference_mode():
-            for _ in range(repeats + 1):  # the first call warms up
+        with torch.inference_mode(), torch_threads(self.threads):
+            for _ in range(repeats + 1):  # the first call warms up (and captures the graph)
                 start = time.perf_counter()
-                self.model(batch, cache)
+                step(batch)
                 if self.device.type == "cuda":
                     torch.cuda.synchronize()
                 timings.append(time.perf_counter() - start)
@@ -146,6 +168,7 @@ class _TorchSteps:
     cache: PagedKVCache
     policy: object
     trace: Trace
+    graphs: DecodeGraphs | None = None
     sequences: dict[int, list[int]] = field(default_factory=dict)
     plans_ahead = False  # step times are measured, so the driver runs one step at a time
     progress: object = None
@@ -163,7 +186,10 @@ class _TorchSteps:
         rows = [*batch.rows(state), *((r, 0) for r in self._padded_rows(state))]
         step_batch = self._prepare(rows)
         prepared = time.perf_counter()
-        logits = self.engine.model(step_batch, self.cache)  # (num_rows, vocab)
+        if self.graphs is not None and self.graphs.can_run(step_batch):
+            logits = self.graphs(step_batch)  # (num_rows, vocab), replayed
+        else:
+            logits = self.engine.model(step_batch, self.cache)  # (num_rows, vocab)
         if self.engine.device.type == "cuda":
             torch.cuda.synchronize()
         computed = time.perf_counter()
@@ -187,9 +213,11 @@ class _TorchSteps:
         computed token again, rewritten in place."""
         new_tokens, starts = [], []
         for request, num_tokens in rows:
-            sequence = self.sequences.setdefault(request.index, self.prompt(request.index))
+            if request.index not in self.sequences:  # admitted this step: its sequence starts as its prompt
+                self.sequences[request.index] = self.prompt(request.index)
+            sequence = self.sequences[request.index]
             first = request.num_computed if num_tokens else request.num_computed - 1
             new_tokens.append(sequence[first : first + max(num_tokens, 1)])
             starts.append(first)
-        tables = [torch.tensor(r.block_table, dtype=torch.long, device=self.engine.device) for r, _ in rows]
-        return StepBatch.build(new_tokens, starts, tables, self.cache.block_size)
+        tables = [request.block_table for request, _ in rows]
+        return StepBatch.build(new_tokens, starts, tables, self.cache.block_size, self.engine.device)

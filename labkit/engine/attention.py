@@ -1,0 +1,198 @@
+"""Attention over a paged KV cache, for every request of one step: two layouts, one result.
+
+After a layer has written this step's keys and values into the cache, each request's
+queries attend to its own context, cache positions 0..p for a query at position p. The
+linear layers never see request boundaries; attention is the one place that does. Two
+layouts do the same arithmetic:
+
+- `PerRequestAttention` (Orca's selective batching, as written in its paper): one
+  attention call per request per layer, a Python loop over the batch. Clear, and its
+  cost grows with the number of requests, not with their work.
+- `BatchedAttention` (the default, as serving engines do it): every request with one new
+  token (a decode, or a one-token chunk) joins one padded call, (D, nh, 1, L) queries
+  against (D, nh, L, hs) keys with a mask that hides the padding; a request with several
+  new tokens (a prompt, or a chunk of one) gets a call of its own, and a step has few.
+
+Both are planned once per step (`plan_attention`), from the step's block tables, and
+then called once per layer. DESIGN.md records the measurements behind the choice.
+
+Invariants:
+
+- a query at position p of request r reads exactly r's cache slots for positions 0..p;
+- padding is masked, never read into a result: the two layouts give the same values;
+- planning reads nothing back from the device; a plan holds only index tensors and masks.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+ATTENTION_LAYOUTS = ("batched", "per_request")
+
+
+def context_slots(block_tables: torch.Tensor, context_len: int, block_size: int) -> torch.Tensor:
+    """(R, context_len) cache slots of positions 0..context_len-1 through each row's block table.
+
+    block_tables: (R, num_blocks) long, each row a request's block ids in token order.
+    Position p lives in block block_tables[r, p // block_size], at offset p % block_size.
+    """
+    offsets = torch.arange(block_size, device=block_tables.device)  # (bs,)
+    slots = block_tables[:, :, None] * block_size + offsets  # (R, num_blocks, bs)
+    return slots.flatten(1)[:, :context_len]  # (R, context_len)
+
+
+def gather(cache: torch.Tensor, slots: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """cache rows at `slots`: (*slots.shape, nh, hs), written into `out` if given.
+    `index_select` is the fast gather on every device (advanced indexing is several times slower)."""
+    rows = torch.index_select(cache, 0, slots.flatten(), out=out)  # (num_slots_read, nh, hs)
+    return rows.view(*slots.shape, *cache.shape[1:])
+
+
+class GatherScratch:
+    """Reused buffers for the keys and values one attention call gathers: a CPU speed-up.
+
+    On the CPU a fresh multi-megabyte tensor per gather costs thousands of page faults per
+    step, because the allocator hands large blocks back to the system when they are freed.
+    Two buffers that only grow remove them. One call reads its keys and values before the
+    next call gathers, so two are enough for every call of every layer.
+    """
+
+    def __init__(self):
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def keys_and_values(self, cache: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two (num_rows, nh, hs) buffers like `cache`'s rows."""
+        return self._take("k", cache, num_rows), self._take("v", cache, num_rows)
+
+    def _take(self, name: str, cache: torch.Tensor, num_rows: int) -> torch.Tensor:
+        row_shape = cache.shape[1:]
+        numel = num_rows * row_shape.numel()
+        buffer = self._buffers.get(name)
+        if buffer is None or buffer.numel() < numel or buffer.dtype != cache.dtype or buffer.device != cache.device:
+            buffer = self._buffers[name] = torch.empty(numel, dtype=cache.dtype, device=cache.device)
+        return buffer[:numel].view(num_rows, *row_shape)
+
+
+def gather_keys_and_values(k_cache, v_cache, slots, scratch: GatherScratch | None):
+    """Keys and values at `slots`, (*slots.shape, nh, hs) each, in the scratch buffers if given."""
+    k_out, v_out = scratch.keys_and_values(k_cache, slots.numel()) if scratch else (None, None)
+    return gather(k_cache, slots, k_out), gather(v_cache, slots, v_out)
+
+
+@dataclass
+class _OneRequest:
+    """One request's queries over its own context: its rows of the step, its slots, its mask."""
+
+    rows: slice
+    slots: torch.Tensor  # (L,) its context's cache slots
+    mask: torch.Tensor | None  # (n, L) bool, True = may attend; None: see is_causal
+    is_causal: bool  # the new tokens are the whole context (a first prefill): plain causal attention
+
+    def attend(self, q, k_cache, v_cache, scratch: GatherScratch | None) -> torch.Tensor:
+        k_i, v_i = gather_keys_and_values(k_cache, v_cache, self.slots, scratch)  # (L, nh, hs) each
+        q_i = q[self.rows].transpose(0, 1)[None]  # (1, nh, n, hs)
+        k_i, v_i = k_i.transpose(0, 1)[None], v_i.transpose(0, 1)[None]  # (1, nh, L, hs) each
+        y = F.scaled_dot_product_attention(q_i, k_i, v_i, attn_mask=self.mask, is_causal=self.is_causal)
+        return y[0].transpose(0, 1)  # (n, nh, hs)
+
+
+def _one_request(rows: slice, slots: torch.Tensor) -> _OneRequest:
+    """Queries at the last n context positions (n = rows' length) over all L of them."""
+    n, length = rows.stop - rows.start, len(slots)
+    if n == 1 or n == length:  # one query sees every key; or a whole prompt: causal from the start
+        return _OneRequest(rows, slots, None, is_causal=n > 1)
+    query_positions = torch.arange(length - n, length, device=slots.device)  # (n,)
+    mask = query_positions[:, None] >= torch.arange(length, device=slots.device)[None, :]  # (n, L)
+    return _OneRequest(rows, slots, mask, is_causal=False)
+
+
+@dataclass
+class PerRequestAttention:
+    """One attention call per request and layer (Orca): the loop a student reads first."""
+
+    requests: list[_OneRequest]
+    scratch: GatherScratch | None = None
+
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """q: (T, nh, hs) rotated queries; k_cache, v_cache: (num_slots, nh, hs). Returns (T, nh, hs)."""
+        return torch.cat([request.attend(q, k_cache, v_cache, self.scratch) for request in self.requests])
+
+
+@dataclass
+class DecodeGroup:
+    """Requests with one new token each, attended in one padded call.
+
+    rows: (D,) long, their rows among the step's T tokens.
+    slots: (D, L) long, each one's context slots, padded to the longest context L.
+    key_mask: (D, 1, 1, L) bool, True on a real context position, False on padding.
+    """
+
+    rows: torch.Tensor
+    slots: torch.Tensor
+    key_mask: torch.Tensor
+
+    def attend(self, q, k_cache, v_cache, scratch: GatherScratch | None) -> torch.Tensor:
+        k_d, v_d = gather_keys_and_values(k_cache, v_cache, self.slots, scratch)  # (D, L, nh, hs) each
+        q_d = q.index_select(0, self.rows)[:, :, None, :]  # (D, nh, 1, hs)
+        k_d, v_d = k_d.transpose(1, 2), v_d.transpose(1, 2)  # (D, nh, L, hs) each
+        y = F.scaled_dot_product_attention(q_d, k_d, v_d, attn_mask=self.key_mask)  # (D, nh, 1, hs)
+        return y[:, :, 0, :]  # (D, nh, hs)
+
+
+def decode_group(rows: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                 block_size: int, padded_len: int) -> DecodeGroup:
+    """The group of D one-token requests; block_tables (D, num_blocks), context_lens (D,)."""
+    slots = context_slots(block_tables, padded_len, block_size)  # (D, L)
+    key_mask = torch.arange(padded_len, device=rows.device)[None, :] < context_lens[:, None]  # (D, L)
+    return DecodeGroup(rows, slots, key_mask[:, None, None, :])
+
+
+@dataclass
+class BatchedAttention:
+    """One padded call for all one-token requests, one call per multi-token request."""
+
+    decodes: DecodeGroup | None
+    prefills: list[_OneRequest]
+    scratch: GatherScratch | None = None
+
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """q: (T, nh, hs) rotated queries; k_cache, v_cache: (num_slots, nh, hs). Returns (T, nh, hs)."""
+        if not self.prefills:  # a pure decode step: the rows are the requests, in order
+            return self.decodes.attend(q, k_cache, v_cache, self.scratch)
+        out = torch.empty_like(q)  # (T, nh, hs)
+        if self.decodes is not None:
+            out.index_copy_(0, self.decodes.rows, self.decodes.attend(q, k_cache, v_cache, self.scratch))
+        for prefill in self.prefills:
+            out[prefill.rows] = prefill.attend(q, k_cache, v_cache, self.scratch)
+        return out
+
+
+def plan_attention(layout: str, num_new: list[int], context_lens: list[int], block_tables: torch.Tensor,
+                   block_size: int, scratch: GatherScratch | None = None) -> PerRequestAttention | BatchedAttention:
+    """How one step's attention runs, request by request or batched.
+
+    num_new[i], context_lens[i]: request i's new tokens and its context after this step.
+    block_tables: (R, max_blocks) long, request i's block ids in row i (padding past its end).
+    scratch: buffers to gather keys and values into, reused across layers and steps.
+    """
+    first_rows = [0, *itertools.accumulate(num_new)][:-1]
+
+    def one_request(i: int) -> _OneRequest:
+        slots = context_slots(block_tables[i : i + 1], context_lens[i], block_size)[0]  # (L,)
+        return _one_request(slice(first_rows[i], first_rows[i] + num_new[i]), slots)
+
+    if layout == "per_request":
+        return PerRequestAttention([one_request(i) for i in range(len(num_new))], scratch)
+    one_token = [i for i, n in enumerate(num_new) if n == 1]
+    decodes = None
+    if one_token:
+        device = block_tables.device
+        lens = torch.tensor([context_lens[i] for i in one_token], device=device)  # (D,)
+        rows = torch.tensor([first_rows[i] for i in one_token], device=device)  # (D,)
+        tables = block_tables if len(one_token) == len(num_new) else block_tables[rows.new_tensor(one_token)]
+        decodes = decode_group(rows, tables, lens, block_size, max(context_lens[i] for i in one_token))
+    return BatchedAttention(decodes, [one_request(i) for i, n in enumerate(num_new) if n > 1], scratch)
