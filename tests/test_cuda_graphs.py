@@ -30,7 +30,7 @@ def decode_batch(seed, num_requests, device="cpu"):
     blocks = rng.permutation(NUM_BLOCKS)
     tables, start = [], 0
     for depth in depths:
-        count = -(-(depth + 1) // BLOCK_SIZE)
+        count = -(-(depth + 1) // BLOCK_SIZE) + int(rng.integers(0, 2))  # sometimes a block reserved ahead
         tables.append(blocks[start : start + count])
         start += count
     tokens = [[int(t)] for t in rng.integers(0, CONFIG.vocab_size, num_requests)]
@@ -62,6 +62,28 @@ def test_replayed_decodes_equal_the_plain_forward():
     model = TinyGPT(CONFIG, seed=0).eval()
     graphs = compare(model, eager_capture, sizes=[3, 1, 5, 8, 2, 5, 7])
     assert {batch for batch, _ in graphs.buckets} == {4, 1, 8, 2}  # steps padded up to powers of two
+
+
+@pytest.mark.parametrize("policy", [lk.Static(3), lk.Static(3, num_blocks=20, block_size=4),
+                                    lk.Continuous(3, num_blocks=9, block_size=4)], ids=repr)
+def test_an_engine_that_replays_decodes_gives_the_same_tokens(policy, monkeypatch):
+    """The engine's own use of graphs (decodes replayed, prefills eager), on the CPU's stand-in capture."""
+    from labkit.engine import runner
+
+    trace = lk.Trace.from_lengths([12, 10, 14, 9, 11], prompt_lengths=[6, 7, 5, 8, 3])
+    plain = Engine(CONFIG, device="cpu", seed=0).run(trace, policy, progress=False)
+    engine = Engine(CONFIG, device="cpu", seed=0)
+    engine.cuda_graphs = True
+    replays = []
+
+    class Recorded(DecodeGraphs):
+        def __call__(self, batch):
+            replays.append(batch.num_requests)
+            return super().__call__(batch)
+
+    monkeypatch.setattr(runner, "DecodeGraphs", lambda model, cache: Recorded(model, cache, capture=eager_capture))
+    assert engine.run(trace, policy, progress=False).outputs == plain.outputs
+    assert len(replays) == int((plain.prefill_tokens.sum(axis=1) == 0).sum()) > 0  # every pure decode step, no other
 
 
 def test_padding_rows_stay_in_the_padding_block():

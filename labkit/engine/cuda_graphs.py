@@ -119,12 +119,13 @@ class DecodeGraphs:
 
     def _load(self, bucket: _Bucket, batch: StepBatch) -> None:
         """Copy the step into the bucket's buffers; rows past it pad, in the padding block."""
-        num_rows, num_blocks = batch.block_tables.shape
+        num_rows = batch.num_requests
+        num_blocks = min(batch.block_tables.shape[1], bucket.block_tables.shape[1])  # a table may reserve more
         padding_block = self.cache.padding_block
         bucket.input_ids.zero_()[:num_rows].copy_(batch.input_ids)
         bucket.positions.zero_()[:num_rows].copy_(batch.positions)
         bucket.write_slots.fill_(padding_block * self.cache.block_size)[:num_rows].copy_(batch.write_slots)
-        bucket.block_tables.fill_(padding_block)[:num_rows, :num_blocks].copy_(batch.block_tables)
+        bucket.block_tables.fill_(padding_block)[:num_rows, :num_blocks].copy_(batch.block_tables[:, :num_blocks])
         bucket.context_lens.fill_(1)[:num_rows].copy_(torch.tensor(batch.context_lens))
 
     def _step(self, bucket: _Bucket) -> torch.Tensor:

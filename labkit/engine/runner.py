@@ -27,7 +27,6 @@ Invariants:
 
 from __future__ import annotations
 
-import functools
 import time
 from dataclasses import dataclass, field
 
@@ -39,6 +38,7 @@ from labkit.engine.cuda_graphs import DecodeGraphs
 from labkit.engine.device import default_threads, resolve_device, torch_threads
 from labkit.engine.kv import PagedKVCache
 from labkit.engine.model import ModelConfig, StepBatch, TinyGPT
+from labkit.engine.timing import decode_step_parts, decode_step_seconds
 from labkit.sched import BlockPool, Request, SchedulerState, StepLog
 from labkit.sched.state import Batch
 from labkit.sched.driver import drive
@@ -121,20 +121,12 @@ class Engine:
 
     def time_decode_step(self, batch_size: int, context_len: int = 128, repeats: int = 5, block_size: int = 16) -> float:
         """Median seconds of one decode step of `batch_size` requests, each `context_len` tokens deep."""
-        blocks_per_request = -(-context_len // block_size)
-        cache = PagedKVCache(self.config, batch_size * blocks_per_request, block_size, self.device, self.dtype)
-        tables = np.arange(batch_size * blocks_per_request).reshape(batch_size, -1)  # (B, blocks)
-        batch = StepBatch.build([[1]] * batch_size, [context_len - 1] * batch_size, list(tables), block_size, self.device)
-        step = DecodeGraphs(self.model, cache) if self.cuda_graphs else functools.partial(self.model, cache=cache)
-        timings = []
-        with torch.inference_mode(), torch_threads(self.threads):
-            for _ in range(repeats + 1):  # the first call warms up (and captures the graph)
-                start = time.perf_counter()
-                step(batch)
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize()
-                timings.append(time.perf_counter() - start)
-        return float(np.median(timings[1:]))
+        return decode_step_seconds(self, batch_size, context_len, repeats, block_size)
+
+    def decode_step_parts(self, batch_size: int, context_len: int = 128, repeats: int = 5) -> dict[str, float]:
+        """Median seconds of a decode step and of its GEMMs, its attention and everything else
+        (`labkit.engine.timing` says how each is measured)."""
+        return decode_step_parts(self, batch_size, context_len, repeats)
 
     def fits(self, trace: Trace) -> np.ndarray:
         """bool per request: whether its whole sequence fits the model's `max_seq_len`."""

@@ -1,0 +1,86 @@
+"""What one decode step costs, and what it is made of: measurements for lessons and benchmarks.
+
+A decode step of B requests, each with `context_len` tokens in the cache, runs on a cache
+laid out as a real run's would be after that many tokens. Its time splits three ways:
+
+- GEMMs: every linear layer of the step (per layer qkv, o, gate_up, down; then the LM
+  head), timed alone on inputs of the same shapes;
+- attention: planning it and running it for every layer over the paged cache, alone;
+- everything else: the rest of the step (norms, rotary positions, KV writes, the
+  embedding, and the framework's per-operation overhead), by subtraction.
+
+Invariants: every time is the median of `repeats` calls after one warm-up call, measured
+under the engine's thread count, with the device synchronised before the clock is read.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from labkit.engine.attention import plan_attention
+from labkit.engine.cuda_graphs import DecodeGraphs
+from labkit.engine.device import torch_threads
+from labkit.engine.kv import PagedKVCache
+from labkit.engine.model import StepBatch
+
+
+def _median_seconds(call, device: torch.device, repeats: int) -> float:
+    timings = []
+    for _ in range(repeats + 1):  # the first call warms up (and captures a CUDA graph)
+        start = time.perf_counter()
+        call()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        timings.append(time.perf_counter() - start)
+    return float(np.median(timings[1:]))
+
+
+def _decode_step(engine, batch_size: int, context_len: int, block_size: int) -> tuple[PagedKVCache, StepBatch]:
+    """A cache and a decode step of `batch_size` requests at position context_len - 1."""
+    blocks_per_request = -(-context_len // block_size)
+    cache = PagedKVCache(engine.config, batch_size * blocks_per_request, block_size, engine.device, engine.dtype)
+    tables = np.arange(batch_size * blocks_per_request).reshape(batch_size, -1)  # (B, blocks)
+    batch = StepBatch.build([[1]] * batch_size, [context_len - 1] * batch_size, list(tables), block_size,
+                            engine.device)
+    return cache, batch
+
+
+def decode_step_seconds(engine, batch_size: int, context_len: int = 128, repeats: int = 5,
+                        block_size: int = 16) -> float:
+    """Median seconds of one decode step, as the engine runs it (from a CUDA graph where it uses them)."""
+    cache, batch = _decode_step(engine, batch_size, context_len, block_size)
+    step = DecodeGraphs(engine.model, cache) if engine.cuda_graphs else functools.partial(engine.model, cache=cache)
+    with torch.inference_mode(), torch_threads(engine.threads):
+        return _median_seconds(lambda: step(batch), engine.device, repeats)
+
+
+def decode_step_parts(engine, batch_size: int, context_len: int = 128, repeats: int = 5,
+                      block_size: int = 16) -> dict[str, float]:
+    """Median seconds of an eager decode step and of its parts: "step", "GEMMs", "attention", "other"."""
+    model, config = engine.model, engine.config
+    cache, batch = _decode_step(engine, batch_size, context_len, block_size)
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]  # the step's, in order
+    inputs = {m.in_features: torch.randn(batch_size, m.in_features, device=engine.device, dtype=engine.dtype)
+              for m in linears}
+    q = torch.randn(batch_size, config.n_heads, config.head_dim, device=engine.device, dtype=engine.dtype)
+
+    def gemms():
+        for linear in linears:
+            F.linear(inputs[linear.in_features], linear.weight)
+
+    def attention():
+        plan = plan_attention(config.attention, batch.num_new, batch.context_lens, batch.block_tables, block_size,
+                              model.gather_scratch)
+        for layer in range(config.n_layers):
+            plan(q, *cache.layer(layer))
+
+    with torch.inference_mode(), torch_threads(engine.threads):
+        parts = {name: _median_seconds(call, engine.device, repeats)
+                 for name, call in (("step", lambda: model(batch, cache)), ("GEMMs", gemms), ("attention", attention))}
+    parts["other"] = parts["step"] - parts["GEMMs"] - parts["attention"]
+    return parts
