@@ -22,7 +22,10 @@ import sys
 import numpy as np
 
 import labkit as lk
-from labkit.engine import Engine
+from labkit.engine import Engine, ModelConfig
+from labkit.engine.attention import ATTENTION_LAYOUTS
+from labkit.engine.device import default_threads
+from labkit.engine.runner import DTYPES
 from labkit.sched import metrics
 
 BUILTIN_TRACES = ("toy", "exponential", "azure-conv")
@@ -78,6 +81,20 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         help="where the model runs (default auto: cuda, then mps, then cpu)",
     )
     demo_parser.add_argument(
+        "--attention", choices=ATTENTION_LAYOUTS, default="batched",
+        help="batched (default): one attention pass per layer over every request; per_request: Orca's loop",
+    )
+    demo_parser.add_argument(
+        "--threads", type=_whole_number(1), default=None,
+        help=f"torch CPU threads while the engine works (default: every CPU but one, here {default_threads()})",
+    )
+    demo_parser.add_argument(
+        "--dtype", choices=DTYPES, default="float32", help="the model's and KV cache's dtype (default float32)"
+    )
+    demo_parser.add_argument(
+        "--no-cuda-graphs", action="store_true", help="on a CUDA device, run decode steps eagerly, not from graphs"
+    )
+    demo_parser.add_argument(
         "--seed", type=_whole_number(0), default=0, help="seed for the sampled trace and the model (default 0)"
     )
     demo_parser.add_argument("--no-progress", action="store_true", help="hide the engine's progress bars")
@@ -101,7 +118,8 @@ def prepare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[
         parser.error("argument --rate: only --trace exponential samples arrivals; "
                      "toy, azure-conv and CSV traces keep their own")
     try:
-        engine = Engine(device=args.device, seed=args.seed)
+        engine = Engine(ModelConfig(attention=args.attention), device=args.device, seed=args.seed,
+                        threads=args.threads, dtype=args.dtype, cuda_graphs=not args.no_cuda_graphs)
     except ValueError as error:
         parser.error(f"argument --device: {error}")
     try:
@@ -113,9 +131,11 @@ def prepare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[
 
 def print_header(engine: Engine, trace: lk.Trace, description: str) -> None:
     config = engine.config
-    print(f"device: {engine.device}")
+    print(f"device: {engine.device} ({engine.threads} CPU thread(s), {engine.dtype_name}, "
+          f"CUDA graphs {'on' if engine.cuda_graphs else 'off'})")
     print(f"model:  TinyGPT, {engine.model.num_parameters() / 1e6:.2f}M parameters "
-          f"({config.n_layers} layers, d_model {config.d_model}, vocab {config.vocab_size})")
+          f"({config.n_layers} layers, d_model {config.d_model}, vocab {config.vocab_size}), "
+          f"{config.attention} attention")
     print(f"trace:  {description}")
     print(f"        {trace!r}, mean prompt {trace.prompt_lengths.mean():.1f} tokens")
     print(flush=True)  # before the progress bars on stderr

@@ -1,24 +1,13 @@
 """The `labkit demo` command: its report on tiny runs, and one clean line for every bad option."""
 
-import os
 import subprocess
 import sys
 
 import pytest
-import torch
 
 from labkit.cli import main
 
-TOY = ["demo", "--trace", "toy", "--slots", "2", "--no-progress", "--device", "cpu"]
-
-
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """Tiny steps run fastest on one thread, and far slower when two threads fight other processes."""
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
+TOY = ["demo", "--trace", "toy", "--slots", "2", "--no-progress", "--device", "cpu", "--threads", "1"]
 
 
 def table_rows(stdout: str) -> dict[str, list[str]]:
@@ -35,13 +24,21 @@ def write_csv(path, rows: list[str]):
 def test_toy_demo_reports_both_policies(capsys):
     assert main(TOY) == 0
     out = capsys.readouterr().out
-    assert "device: cpu" in out and "3.67M parameters" in out and "toy: requests A-H" in out
+    assert "device: cpu (1 CPU thread(s), float32, CUDA graphs off)" in out
+    assert "3.67M parameters" in out and "batched attention" in out and "toy: requests A-H" in out
     rows = table_rows(out)
     assert list(rows) == ["static", "continuous"]
     assert rows["static"][:2] == ["23", "69.6"]
     assert rows["continuous"][:2] == ["17", "94.1"]
     assert rows["static"][-2:] == ["1.00x", "1.00x"]
     assert rows["continuous"][-2] == "1.35x"  # 23 / 17 slot-steps, from the simulator
+
+
+def test_the_per_request_layout_gives_the_same_schedule(capsys):
+    assert main([*TOY, "--attention", "per_request"]) == 0
+    out = capsys.readouterr().out
+    assert "per_request attention" in out
+    assert table_rows(out)["continuous"][:2] == ["17", "94.1"]
 
 
 def test_sampled_trace_with_poisson_arrivals(capsys):
@@ -73,6 +70,9 @@ def test_csv_trace_skips_requests_longer_than_the_model(tmp_path, capsys):
     (["--rate", "nan"], "argument --rate: 'nan': must be a number > 0"),
     (["--trace", "toy", "--rate", "5"], "argument --rate: only --trace exponential samples arrivals"),
     (["--device", "gpu"], "argument --device: device = 'gpu': must be one of auto, cpu, cuda, mps"),
+    (["--threads", "0"], "argument --threads: '0': must be a whole number >= 1"),
+    (["--attention", "orca"], "argument --attention: invalid choice: 'orca'"),
+    (["--dtype", "fp8"], "argument --dtype: invalid choice: 'fp8'"),
     (["--trace", "nosuch.csv"], "argument --trace: nosuch.csv: no such file (choose toy, exponential, azure-conv"),
 ])
 def test_bad_option_is_one_error_line(argv, message, capsys):
@@ -111,14 +111,15 @@ def test_help_describes_every_option(capsys):
         main(["demo", "--help"])
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
-    for option in ("--slots", "--requests", "--trace", "--rate", "--device", "--seed", "--no-progress"):
+    for option in ("--slots", "--requests", "--trace", "--rate", "--device", "--attention", "--threads", "--dtype",
+                   "--no-cuda-graphs", "--seed", "--no-progress"):
         assert option in out
 
 
 def test_python_dash_m_runs_the_toy_demo():
     result = subprocess.run(
-        [sys.executable, "-m", "labkit", "demo", "--trace", "toy", "--slots", "2", "--no-progress"],
-        capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        [sys.executable, "-m", "labkit", "demo", "--trace", "toy", "--slots", "2", "--no-progress", "--threads", "1"],
+        capture_output=True, text=True, timeout=120,
     )
     assert result.returncode == 0, result.stderr
     rows = table_rows(result.stdout)

@@ -77,7 +77,7 @@ class Engine:
         if dtype not in DTYPES:
             raise ValueError(f"dtype = {dtype!r}: must be one of {', '.join(DTYPES)}")
         self.device = resolve_device(device)
-        self.dtype = DTYPES[dtype]
+        self.dtype_name, self.dtype = dtype, DTYPES[dtype]
         self.model = (model or TinyGPT(config or ModelConfig(), seed=seed)).to(self.device, self.dtype).eval()
         self.config = self.model.config
         self.seed = seed
@@ -86,7 +86,7 @@ class Engine:
 
     def __repr__(self) -> str:
         return (f"Engine({self.config}, device={str(self.device)!r}, seed={self.seed}, threads={self.threads}, "
-                f"dtype={str(self.dtype).removeprefix('torch.')!r}, cuda_graphs={self.cuda_graphs})")
+                f"dtype={self.dtype_name!r}, cuda_graphs={self.cuda_graphs})")
 
     def prompt_ids(self, request_id: int, prompt_len: int) -> list[int]:
         """The begin-of-sequence token and `prompt_len` prompt ids drawn from (seed, request id)."""
