@@ -15,9 +15,9 @@ from labkit.viz.figures import (
     request_color,
     show_steps,
     slot_diagram,
-    step_time_curve,
     utilization_bars,
 )
+from labkit.viz.costs import step_breakdown, step_time_curve
 from labkit.viz.latency import TradeoffPoint, goodput_bars, latency_tradeoff, pareto_optimal, step_times, tradeoff_point
 from labkit.viz.live import LiveSlotDiagram
 from labkit.viz.memory import pool_sweep, pool_usage, preemption_steps, running_requests
@@ -49,6 +49,7 @@ __all__ = [
     "show_anywhere",
     "show_steps",
     "slot_diagram",
+    "step_breakdown",
     "step_time_curve",
     "utilization_bars",
 ]

@@ -230,19 +230,6 @@ def redraw(fig: go.Figure, log: StepLog) -> None:
         fig.layout.xaxis.range = [0, max(log.num_steps, 1)]
 
 
-def step_time_curve(seconds_by_batch: dict[int, float]) -> go.Figure:
-    """Measured decode-step time against batch size, with the time per token beside it."""
-    sizes = np.array(list(seconds_by_batch))
-    milliseconds = 1000 * np.array(list(seconds_by_batch.values()))
-    fig = go.Figure()
-    fig.add_trace(go.Scatter(x=sizes, y=milliseconds, mode="lines+markers", name="ms per step"))
-    fig.add_trace(go.Scatter(x=sizes, y=milliseconds / sizes, mode="lines+markers", name="ms per token"))
-    fig.update_layout(title="Decode step time against batch size", height=380, plot_bgcolor="white")
-    fig.update_xaxes(title="batch size (requests per step)", type="log", tickvals=sizes, gridcolor=GRID)
-    fig.update_yaxes(title="milliseconds", rangemode="tozero", gridcolor=GRID)
-    return fig
-
-
 def phase_split(logs: dict[str, StepLog]) -> go.Figure:
     """Where each engine run's time went: schedule, prepare, forward and sample, stacked."""
     names = list(logs)

@@ -1,0 +1,44 @@
+"""Figures of what an engine step costs: step time against batch size or context, and its parts.
+
+They read plain dicts of measured seconds (from `Engine.time_decode_step` and
+`Engine.decode_step_parts`), never an engine.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import plotly.graph_objects as go
+
+from labkit.viz.figures import GRID, request_color
+
+AXES = {"batch size": "batch size (requests per step)", "context": "context (tokens in each request's cache)"}
+PARTS = ("GEMMs", "attention", "other")
+
+
+def step_time_curve(seconds: dict[str, dict[int, float]], against: str = "batch size") -> go.Figure:
+    """Measured step time, one curve per name (an attention layout, say), against batch size or
+    context. Against batch size, each curve's time per token is drawn dashed beside it."""
+    if against not in AXES:
+        raise ValueError(f"against = {against!r}: must be one of {', '.join(AXES)}")
+    fig = go.Figure()
+    for i, (name, by_x) in enumerate(seconds.items()):
+        x, ms = np.array(list(by_x)), 1000 * np.array(list(by_x.values()))
+        color = request_color(i)
+        fig.add_trace(go.Scatter(x=x, y=ms, mode="lines+markers", name=f"{name}: ms per step", line_color=color))
+        if against == "batch size":
+            fig.add_trace(go.Scatter(x=x, y=ms / x, mode="lines+markers", name=f"{name}: ms per token",
+                                     line=dict(color=color, dash="dash")))
+    fig.update_layout(title=f"Decode step time against {against}", height=380, plot_bgcolor="white")
+    fig.update_xaxes(title=AXES[against], type="log", tickvals=sorted({x for by_x in seconds.values() for x in by_x}),
+                     gridcolor=GRID)
+    fig.update_yaxes(title="milliseconds", rangemode="tozero", gridcolor=GRID)
+    return fig
+
+
+def step_breakdown(parts: dict[int, dict[str, float]]) -> go.Figure:
+    """A decode step's time at each batch size, stacked: GEMMs, attention, everything else."""
+    sizes = [f"B = {b}" for b in parts]
+    fig = go.Figure([go.Bar(x=sizes, y=[1000 * p[part] for p in parts.values()], name=part) for part in PARTS])
+    fig.update_layout(title="What a decode step is made of", barmode="stack", height=350, plot_bgcolor="white")
+    fig.update_yaxes(title="milliseconds", gridcolor=GRID)
+    return fig
