@@ -28,6 +28,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/bench_simulate.py
 	$(PY) benchmarks/bench_engine.py
+	$(PY) benchmarks/bench_peers.py
 
 notebooks: $(STAMP)
 	$(PY) tools/run_notebooks.py

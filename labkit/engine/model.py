@@ -167,7 +167,8 @@ class StepBatch:
     def __post_init__(self):
         num_tokens, num_requests = self.input_ids.shape[0], len(self.num_new)
         assert self.positions.shape == self.write_slots.shape == (num_tokens,)
-        assert self.last_rows.shape == (num_requests,) == self.block_tables.shape[:1] and len(self.context_lens) == num_requests
+        assert self.last_rows.shape == (num_requests,) == self.block_tables.shape[:1]
+        assert len(self.context_lens) == num_requests
         assert sum(self.num_new) == num_tokens and min(self.num_new, default=1) >= 1
 
     @classmethod
@@ -237,12 +238,12 @@ class Rotary(nn.Module):
         self.register_buffer("signed_sin", torch.cat((-freqs.sin(), freqs.sin()), dim=-1), persistent=False)
 
     def forward(self, positions):
-        """(T,) positions -> cos, signed_sin: (T, 1, hs) each, to broadcast over heads."""
-        return self.cos.index_select(0, positions)[:, None, :], self.signed_sin.index_select(0, positions)[:, None, :]
+        """(T,) positions -> cos, signed_sin: (T, hs) each."""
+        return self.cos.index_select(0, positions), self.signed_sin.index_select(0, positions)
 
 
 def rotate(x, cos, signed_sin):
-    """x: (T, ..., hs) queries or keys; cos, signed_sin: (T, hs) broadcast to x. Returns x rotated by its positions."""
+    """x: queries or keys, (T, ..., hs); cos, signed_sin: shaped to broadcast over x. x rotated by its positions."""
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
@@ -257,7 +258,7 @@ class Attention(nn.Module):
         T, C = x.shape
         nh, hs = self.n_heads, self.head_dim
         qkv = self.qkv_proj(x).view(T, 3, nh, hs)  # (T, 3, nh, hs): one GEMM for all three
-        qk = rotate(qkv[:, :2], cos[:, None], signed_sin[:, None])  # (T, 2, nh, hs): queries and keys at once
+        qk = rotate(qkv[:, :2], cos[:, None, None], signed_sin[:, None, None])  # (T, 2, nh, hs): q and k at once
         q, k, v = qk[:, 0], qk[:, 1], qkv[:, 2]  # (T, nh, hs) each
         # write this step's keys and values, then let each request read its whole context
         k_cache.index_copy_(0, write_slots, k)
@@ -334,7 +335,7 @@ class TinyGPT(nn.Module):
         """The layers on (T,) tokens with an attention plan already made; (R, vocab) logits at `last_rows`.
         Tensors only, so a CUDA graph can capture it (labkit.engine.cuda_graphs)."""
         x = self.model.embed_tokens(input_ids)  # (T, C)
-        cos, signed_sin = self.rotary(positions)  # (T, 1, hs) each
+        cos, signed_sin = self.rotary(positions)  # (T, hs) each
         for i, block in enumerate(self.model.layers):
             x = block(x, cos, signed_sin, write_slots, *cache.layer(i), attention)
         return self.lm_head(self.model.norm(x.index_select(0, last_rows)))  # (R, vocab)
