@@ -28,7 +28,7 @@ def step_time_curve(seconds: dict[str, dict[int, float]], against: str = "batch 
         if against == "batch size":
             fig.add_trace(go.Scatter(x=x, y=ms / x, mode="lines+markers", name=f"{name}: ms per token",
                                      line=dict(color=color, dash="dash")))
-    fig.update_layout(title=f"Decode step time against {against}", height=380, plot_bgcolor="white")
+    fig.update_layout(title=f"Decode step time against {against}", height=380, plot_bgcolor="white", showlegend=True)
     fig.update_xaxes(title=AXES[against], type="log", tickvals=sorted({x for by_x in seconds.values() for x in by_x}),
                      gridcolor=GRID)
     fig.update_yaxes(title="milliseconds", rangemode="tozero", gridcolor=GRID)
