@@ -50,9 +50,9 @@ def default_threads() -> int:
     waits for its slowest thread at every operation, so when another process (the notebook
     server, the browser drawing a live figure) takes a core that a pool thread needs, every
     step stalls. Measured on a 2-core machine (benchmarks/bench_engine.py, DESIGN.md): with
-    one core kept busy, a B = 8 decode step slowed about 2.6x at 2 threads and about 1.2x at
-    1 thread. Leaving one core free keeps steps steady, at some cost in speed on an idle
-    machine; `Engine(threads=...)` overrides it.
+    one core kept busy, a B = 8 decode step slowed 2.6x at 2 threads and not at all (0.99x)
+    at 1 thread. Leaving one core free keeps steps steady, at some cost in speed on an idle
+    machine (two threads were 1.5x faster there); `Engine(threads=...)` overrides it.
     """
     available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, available - 1)
