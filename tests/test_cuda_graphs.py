@@ -86,15 +86,11 @@ def test_an_engine_that_replays_decodes_gives_the_same_tokens(policy, monkeypatc
     assert len(replays) == int((plain.prefill_tokens.sum(axis=1) == 0).sum()) > 0  # every pure decode step, no other
 
 
-def test_padding_rows_stay_in_the_padding_block():
+def test_padding_rows_stay_in_the_padding_block(monkeypatch):
     """Negative control: pad into a lendable block instead, and a live request's keys change."""
     model = TinyGPT(CONFIG, seed=0).eval()
-
-    class WrongPadding(PagedKVCache):
-        padding_block = 0
-
     cache = filled_cache()
-    cache.__class__ = WrongPadding
+    monkeypatch.setattr(PagedKVCache, "padding_block", property(lambda self: 0))
     before = cache.k[:, 0].clone()
     with torch.inference_mode():
         DecodeGraphs(model, cache, capture=eager_capture)(decode_batch(0, 3))
