@@ -87,7 +87,7 @@ def test_an_engine_that_replays_decodes_gives_the_same_tokens(policy, monkeypatc
 
 
 def test_padding_rows_stay_in_the_padding_block(monkeypatch):
-    """Negative control: pad into a lendable block instead, and a live request's keys change."""
+    """Negative control: pad into a lendable block instead, and that block's keys change."""
     model = TinyGPT(CONFIG, seed=0).eval()
     cache = filled_cache()
     monkeypatch.setattr(PagedKVCache, "padding_block", property(lambda self: 0))
