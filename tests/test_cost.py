@@ -1,6 +1,7 @@
 """CostModel: step time from the work in a step, and fitting it to measured steps."""
 
 import math
+from dataclasses import fields, replace
 from types import SimpleNamespace
 
 import numpy as np
@@ -153,7 +154,7 @@ def test_fit_split_is_seeded():
 def test_fit_reads_a_step_log():
     prefill, decode, kv = synthetic_steps(40)
     log = SimpleNamespace(
-        num_steps=40, num_prefill_tokens=prefill, num_decode_tokens=decode, num_kv_tokens=kv,
+        num_steps=40, has_host_time=False, num_prefill_tokens=prefill, num_decode_tokens=decode, num_kv_tokens=kv,
         step_seconds=TRUTH.step_seconds(prefill, decode, kv),
     )
     fit = CostModel.fit(log, holdout=0.5, seed=1)
@@ -225,3 +226,101 @@ def test_a_decode_run_in_closed_form_matches_its_steps_summed(num_requests, firs
     elapsed = np.cumsum(per_step)
     expected = min(max_steps, int(np.searchsorted(elapsed, seconds)) + 1)  # the step during which they pass
     assert KNOWN.decode_run_length(num_requests, first_num_kv_tokens, seconds, max_steps) == expected
+
+
+# Host time, and overlap ------------------------------------------------------------------
+
+HOSTED = CostModel(overhead=1e-3, per_prefill_token=5e-5, per_decode_token=2e-4, per_kv_token=1e-6,
+                   host_overhead=5e-4, host_per_request=1e-4, host_per_token=2e-6)
+OVERLAPPED = replace(HOSTED, overlap=True, overlap_exposed=1e-4)
+
+
+def test_host_and_device_take_turns_or_overlap_on_hand_numbers():
+    model = CostModel(overhead=5.0, per_prefill_token=0, per_decode_token=0, per_kv_token=0,
+                      host_overhead=1.0, host_per_request=0.5, host_per_token=0.25)
+    assert model.host_seconds(2, 4) == 1.0 + 1.0 + 1.0
+    assert model.step_seconds(0, 4, 0, num_requests=2) == 3.0 + 5.0
+    assert replace(model, overlap=True).step_seconds(0, 4, 0, num_requests=2) == 5.0
+    assert replace(model, overlap=True, overlap_exposed=0.5, overhead=1.0).step_seconds(0, 4, 0, 2) == 3.5
+
+
+def test_two_ms_of_host_and_five_of_device_make_a_seven_ms_step_or_a_five_ms_one():
+    model = CostModel(overhead=5e-3, per_prefill_token=0, per_decode_token=0, per_kv_token=0, host_overhead=2e-3)
+    assert model.step_seconds(0, 8, 0) == pytest.approx(7e-3)
+    assert replace(model, overlap=True).step_seconds(0, 8, 0) == pytest.approx(5e-3)
+
+
+def test_a_price_per_request_needs_the_requests():
+    with pytest.raises(ValueError, match="num_requests = None: host_per_request is set"):
+        HOSTED.step_seconds(0, 4, 100)
+
+
+def test_the_repr_shows_host_terms_only_when_set():
+    assert repr(CostModel()) == "CostModel(overhead=0.003, per_prefill_token=0.0001, per_decode_token=0.0003, per_kv_token=2e-07)"
+    assert "host_per_request=0.0001" in repr(HOSTED) and "overlap" not in repr(HOSTED)
+    assert "overlap=True" in repr(OVERLAPPED)
+
+
+@pytest.mark.parametrize("field", ["host_overhead", "host_per_request", "host_per_token", "overlap_exposed"])
+def test_bad_host_term_is_named(field):
+    with pytest.raises(ValueError, match=field):
+        CostModel(**{field: -1.0})
+
+
+def test_overlap_must_be_true_or_false():
+    with pytest.raises(ValueError, match="overlap = 1: must be True or False"):
+        CostModel(overlap=1)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    model=st.sampled_from([HOSTED, OVERLAPPED, replace(OVERLAPPED, host_overhead=0.05), replace(KNOWN, overlap=True)]),
+    num_requests=st.integers(1, 1024),
+    first_num_kv_tokens=st.integers(0, 100_000),
+    seconds=st.floats(-1.0, 50.0),
+    max_steps=st.integers(1, 400),
+)
+def test_a_decode_run_with_host_terms_in_closed_form_matches_its_steps(model, num_requests, first_num_kv_tokens,
+                                                                        seconds, max_steps):
+    per_step = model.decode_run_seconds(num_requests, first_num_kv_tokens, max_steps)
+    kv = first_num_kv_tokens + num_requests * np.arange(max_steps)
+    np.testing.assert_allclose(per_step, model.step_seconds(0, num_requests, kv, num_requests))
+    assert model.decode_run_total(num_requests, first_num_kv_tokens, max_steps) == pytest.approx(per_step.sum())
+    expected = min(max_steps, int(np.searchsorted(np.cumsum(per_step), seconds)) + 1)
+    assert model.decode_run_length(num_requests, first_num_kv_tokens, seconds, max_steps) == expected
+
+
+@pytest.mark.parametrize("model", [HOSTED, OVERLAPPED], ids=["turns", "overlap"])
+def test_a_simulation_splits_steps_as_its_cost_model_prices_them(model):
+    log = lk.simulate(ARRIVING, BUDGETED, cost=model)
+    assert log.has_host_time and log.overlap == model.overlap
+    work = (log.num_prefill_tokens, log.num_decode_tokens, log.num_kv_tokens)
+    np.testing.assert_allclose(log.host_seconds, model.host_seconds(log.num_requests, work[0] + work[1]))
+    np.testing.assert_allclose(log.device_seconds, model.device_seconds(*work))
+    np.testing.assert_allclose(log.step_seconds, model.step_seconds(*work, log.num_requests))
+    idle = 1 - log.device_seconds.sum() / log.step_seconds.sum()
+    assert log.device_idle_fraction == pytest.approx(idle) and 0 < idle < 1
+
+
+@pytest.mark.parametrize("model", [HOSTED, OVERLAPPED], ids=["turns", "overlap"])
+def test_fit_recovers_host_and_device_terms(model):
+    fit = CostModel.fit(lk.simulate(ARRIVING, BUDGETED, cost=model))
+    for field in fields(CostModel):
+        assert getattr(fit.model, field.name) == pytest.approx(getattr(model, field.name), rel=1e-6, abs=1e-12)
+    assert fit.relative_error < 1e-9
+
+
+def test_fitting_host_terms_can_fail():
+    """Negative control: the same steps, priced with host time per request doubled, are not the fit's."""
+    fit = CostModel.fit(lk.simulate(ARRIVING, BUDGETED, cost=HOSTED))
+    doubled = lk.simulate(ARRIVING, BUDGETED, cost=replace(HOSTED, host_per_request=2e-4))
+    predicted = fit.model.step_seconds(doubled.num_prefill_tokens, doubled.num_decode_tokens, doubled.num_kv_tokens,
+                                       doubled.num_requests)
+    assert np.abs(predicted - doubled.step_seconds).mean() / doubled.step_seconds.mean() > 0.05
+
+
+def test_a_log_without_host_time_says_so():
+    log = lk.simulate(ARRIVING, lk.Continuous(num_slots=6))
+    assert not log.has_host_time
+    with pytest.raises(ValueError, match="this log has no host and device time"):
+        log.host_seconds

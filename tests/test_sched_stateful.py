@@ -2,7 +2,7 @@
 
 A Hypothesis state machine adds requests, steps the scheduler one decision at a time and
 aborts requests at random, the way `labkit.sched.driver.drive` runs its loop (arrivals,
-`policy.schedule`, `state.apply`, `state.grow`, `driver._record` with num_steps=1). After
+`policy.schedule`, `state.apply`, `state.grow`, `driver.run_steps` and `driver.log_steps` with num_steps=1). After
 every rule it checks the invariants the sched modules' docstrings state:
 
 - every added request is in exactly one place: waiting, in a slot (running or finished,
@@ -32,7 +32,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 import labkit as lk
 from labkit.sched import Decision, Request, SchedulerState
 from labkit.sched.blocks import BlockPool
-from labkit.sched.driver import Pending, _record
+from labkit.sched.driver import log_steps, run_steps
 from labkit.sched.state import NEVER
 from labkit.sched.steplog import StepLog
 
@@ -122,7 +122,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.last_step_tokens = {r.id: n for r, n in scheduled}
         growth = self.state.grow(batch, 1)
         num_blocks_used = 0 if growth is None else growth.blocks_used()
-        _record(self.state, batch, 1, 1.0, self.log, decision, num_blocks_used, Pending([]))  # they arrive by rule
+        steps = run_steps(self.state, batch, 1, decision, num_blocks_used)
+        log_steps(self.log, steps, self.state.now, 1.0)  # requests arrive by rule, not from the trace
+        self.state.now += 1.0
         return True
 
     def _guard(self, action, *args):

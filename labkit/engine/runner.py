@@ -2,7 +2,9 @@
 
 `Engine.run(trace, policy)` takes the same policy objects as `labkit.simulate` and
 returns the same `StepLog`: the shared loop in `labkit.sched.driver` asks the policy,
-applies its decision and records the step; this module only executes steps.
+applies its decision and records the step; the back end in `labkit.engine.steps` only
+executes steps. With `overlap=True` the loop is `labkit.sched.overlap`'s, one step ahead,
+and the back end `labkit.engine.overlap`'s.
 
 Invariants:
 
@@ -18,8 +20,9 @@ Invariants:
   of one, a recompute of prompt and outputs after preemption, or one decode token; a
   request samples its next token only when the step leaves none of its tokens uncomputed;
 - decoding is greedy and each request emits exactly its output length (EOS is ignored);
-- the clock advances by each step's measured wall time (schedule + prepare + forward +
-  sample); when nothing runs it jumps to the next arrival rather than sleeping;
+- the clock advances by each step's measured wall time, from the previous step's end to
+  its own, split into host and device time; when nothing runs it jumps to the next
+  arrival rather than sleeping;
 - under `Static(drop_finished=False)`, a finished request that still holds its slot
   is computed anyway, as a padded row whose output is thrown away (as Hugging Face's
   `generate` does); with `drop_finished=True` only live rows are computed.
@@ -27,8 +30,6 @@ Invariants:
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -37,14 +38,16 @@ from tqdm.auto import tqdm
 from labkit.engine.cuda_graphs import DecodeGraphs
 from labkit.engine.device import default_threads, resolve_device, torch_threads
 from labkit.engine.kv import PagedKVCache
-from labkit.engine.model import ModelConfig, StepBatch, TinyGPT
+from labkit.engine.model import ModelConfig, TinyGPT
+from labkit.engine.overlap import OverlappedSteps
+from labkit.engine.steps import BOS_TOKEN, TorchSteps
 from labkit.engine.timing import decode_step_parts, decode_step_seconds
-from labkit.sched import BlockPool, Request, SchedulerState, StepLog
-from labkit.sched.state import Batch
+from labkit.sched import BlockPool, StepLog
 from labkit.sched.driver import drive
+from labkit.sched.overlap import drive_overlapped
+from labkit.sched.policy import check_policy
 from labkit.traffic import Trace
 
-BOS_TOKEN = 0
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -65,15 +68,19 @@ class Engine:
         threads: int | None = None,
         dtype: str = "float32",
         cuda_graphs: bool = True,
+        overlap: bool = False,
     ):
         """threads: torch's intra-op CPU threads while the engine works; by default every
         CPU but one (`labkit.engine.device.default_threads` says why).
         dtype: "float32" (the default, for exact comparisons), "bfloat16" or "float16".
         cuda_graphs: on a CUDA device, replay decode steps from CUDA graphs
         (`labkit.engine.cuda_graphs`); ignored elsewhere.
+        overlap: schedule and prepare step t+1 while step t runs (`labkit.engine.overlap`).
         """
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
             raise ValueError(f"threads = {threads!r}: must be a whole number >= 1")
+        if not isinstance(overlap, bool):
+            raise ValueError(f"overlap = {overlap!r}: must be True or False")
         if dtype not in DTYPES:
             raise ValueError(f"dtype = {dtype!r}: must be one of {', '.join(DTYPES)}")
         self.device = resolve_device(device)
@@ -83,10 +90,11 @@ class Engine:
         self.seed = seed
         self.threads = threads or default_threads()
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
+        self.overlap = overlap
 
     def __repr__(self) -> str:
         return (f"Engine({self.config}, device={str(self.device)!r}, seed={self.seed}, threads={self.threads}, "
-                f"dtype={self.dtype_name!r}, cuda_graphs={self.cuda_graphs})")
+                f"dtype={self.dtype_name!r}, cuda_graphs={self.cuda_graphs}, overlap={self.overlap})")
 
     def prompt_ids(self, request_id: int, prompt_len: int) -> list[int]:
         """The begin-of-sequence token and `prompt_len` prompt ids drawn from (seed, request id)."""
@@ -98,16 +106,21 @@ class Engine:
 
         progress: show a progress bar for runs longer than about a second.
         """
+        check_policy(policy)
         self._check_fits(trace)
         self._check_vocabulary(trace)
         blocks = BlockPool(self._num_blocks(trace, policy), policy.block_size)
         cache = PagedKVCache(self.config, blocks.num_blocks, blocks.block_size, self.device, self.dtype)
         graphs = DecodeGraphs(self.model, cache) if self.cuda_graphs else None
-        steps = _TorchSteps(self, cache, policy, trace, graphs)
         with torch.inference_mode(), torch_threads(self.threads), tqdm(
             total=int(trace.output_lengths.sum()), unit="tok", delay=1.0, disable=not progress, leave=False
-        ) as steps.progress:
-            log = drive(trace, policy, steps, on_step, blocks)
+        ) as bar:
+            if self.overlap:
+                with OverlappedSteps(self, cache, policy, trace, graphs, progress=bar) as steps:
+                    log = drive_overlapped(trace, policy, steps, on_step, blocks)
+            else:
+                steps = TorchSteps(self, cache, policy, trace, graphs, progress=bar)
+                log = drive(trace, policy, steps, on_step, blocks)
         assert blocks.num_free_blocks == blocks.num_blocks, "a run must return every KV block"
         log.outputs = {int(trace.ids[i]): tokens[len(steps.prompt(i)) :] for i, tokens in steps.sequences.items()}
         return log
@@ -150,66 +163,3 @@ class Engine:
                     f"request {int(trace.ids[i])}: prompt token id {int(tokens[outside[0]])} at position "
                     f"{int(outside[0])} is outside the vocabulary (0..{self.config.vocab_size - 1})"
                 )
-
-
-@dataclass(eq=False)
-class _TorchSteps:
-    """The engine's back end for `drive`: prepare, forward, sample; timed."""
-
-    engine: Engine
-    cache: PagedKVCache
-    policy: object
-    trace: Trace
-    graphs: DecodeGraphs | None = None
-    sequences: dict[int, list[int]] = field(default_factory=dict)
-    plans_ahead = False  # step times are measured, so the driver runs one step at a time
-    progress: object = None
-    _last_step_end: float | None = None
-
-    def prompt(self, index: int) -> list[int]:
-        """The begin-of-sequence token and the prompt: the trace's ids if it has them, else drawn."""
-        if self.trace.prompt_tokens:
-            return [BOS_TOKEN, *self.trace.prompt_tokens[index].tolist()]
-        return self.engine.prompt_ids(int(self.trace.ids[index]), int(self.trace.prompt_lengths[index]))
-
-    def execute(self, state: SchedulerState, batch: Batch, num_steps: int, log: StepLog) -> float:
-        start = time.perf_counter()
-        schedule = start - self._last_step_end if self._last_step_end else 0.0
-        rows = [*batch.rows(state), *((r, 0) for r in self._padded_rows(state))]
-        step_batch = self._prepare(rows)
-        prepared = time.perf_counter()
-        if self.graphs is not None and self.graphs.can_run(step_batch):
-            logits = self.graphs(step_batch)  # (num_rows, vocab), replayed
-        else:
-            logits = self.engine.model(step_batch, self.cache)  # (num_rows, vocab)
-        if self.engine.device.type == "cuda":
-            torch.cuda.synchronize()
-        computed = time.perf_counter()
-        emitting = [i for i, (request, n) in enumerate(rows) if n and n == request.num_uncomputed]
-        for i, token in zip(emitting, logits[emitting].argmax(dim=-1).tolist()):
-            self.sequences[rows[i][0].index].append(token)
-        self._last_step_end = time.perf_counter()
-        log.record_phases(
-            schedule=schedule, prepare=prepared - start, forward=computed - prepared, sample=self._last_step_end - computed
-        )
-        log.record_kv_tokens(sum(step_batch.context_lens))
-        self.progress.update(len(emitting))
-        return schedule + self._last_step_end - start
-
-    def _padded_rows(self, state: SchedulerState) -> list[Request]:
-        return [] if getattr(self.policy, "drop_finished", True) else state.finished_in_slots()
-
-    def _prepare(self, rows: list[tuple[Request, int]]) -> StepBatch:
-        """Each row's new tokens: the next `n` uncomputed ones (a prompt, a chunk, a recompute,
-        or the last output), or, for a finished row kept as padding (n = 0), its last
-        computed token again, rewritten in place."""
-        new_tokens, starts = [], []
-        for request, num_tokens in rows:
-            if request.index not in self.sequences:  # admitted this step: its sequence starts as its prompt
-                self.sequences[request.index] = self.prompt(request.index)
-            sequence = self.sequences[request.index]
-            first = request.num_computed if num_tokens else request.num_computed - 1
-            new_tokens.append(sequence[first : first + max(num_tokens, 1)])
-            starts.append(first)
-        tables = [request.block_table for request, _ in rows]
-        return StepBatch.build(new_tokens, starts, tables, self.cache.block_size, self.engine.device)

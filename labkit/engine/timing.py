@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -27,6 +28,28 @@ from labkit.engine.cuda_graphs import DecodeGraphs
 from labkit.engine.device import torch_threads
 from labkit.engine.kv import PagedKVCache
 from labkit.engine.model import StepBatch
+
+
+@dataclass(frozen=True)
+class DeviceTimer:
+    """Times stretches of device work: CUDA events on a GPU (read once the work is done),
+    the wall clock elsewhere, where the device is the CPU and works while it is timed."""
+
+    is_cuda: bool
+
+    def mark(self):
+        if self.is_cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def seconds(self, start, end) -> float:
+        """Device seconds between two marks; on a GPU this waits for the second."""
+        if self.is_cuda:
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
+        return end - start
 
 
 def _median_seconds(call, device: torch.device, repeats: int) -> float:

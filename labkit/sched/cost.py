@@ -1,12 +1,19 @@
 """CostModel: the simulator's model of how long one engine step takes.
 
-A step costs a fixed overhead plus a price per prompt token, per decode token and per
-KV-cache token that attention reads:
+A step has device work and host work. The device prices a fixed overhead, each prompt
+token, each decode token and each KV-cache token that attention reads; the host (the
+loop, the scheduler, input preparation, bookkeeping) prices a fixed part, each scheduled
+request and each token processed:
 
-    seconds = overhead + per_prefill_token * prefill + per_decode_token * decode
-              + per_kv_token * kv
+    device = overhead + per_prefill_token * prefill + per_decode_token * decode + per_kv_token * kv
+    host   = host_overhead + host_per_request * requests + host_per_token * (prefill + decode)
 
-The default coefficients are hand-set placeholders for a small model on a laptop CPU;
+Without overlap the two take turns, and a step takes host + device. With `overlap=True`
+the host prepares the next step while the device runs this one, so a step takes
+max(host, device) + overlap_exposed, the part of each step the loop cannot hide.
+
+The default coefficients are hand-set placeholders for a small model on a laptop CPU,
+with the host terms at zero (the device `overhead` then stands for every fixed cost);
 `CostModel.fit` replaces them with coefficients measured from an engine's StepLog.
 
 Invariants:
@@ -20,8 +27,7 @@ Invariants:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
-from functools import partial
+from dataclasses import dataclass, fields, replace
 from itertools import combinations
 from numbers import Real
 
@@ -29,25 +35,45 @@ import numpy as np
 
 MIN_NUM_STEPS = 8  # fewer steps than this cannot train 4 coefficients and test them
 NUM_COEFFICIENTS = 4  # overhead, per_prefill_token, per_decode_token, per_kv_token
+DEVICE_TERMS = ("overhead", "per_prefill_token", "per_decode_token", "per_kv_token")
+HOST_TERMS = ("host_overhead", "host_per_request", "host_per_token")
 
 
 @dataclass(frozen=True)
 class CostModel:
-    """Seconds per engine step as a linear function of the work in the step."""
+    """Seconds per engine step as a linear function of the work in the step, on the device
+    and on the host, taking turns or overlapped."""
 
-    overhead: float = 3e-3  # s per step: scheduling, kernel launches, sampling
+    overhead: float = 3e-3  # s per step on the device: kernel launches, sampling
     per_prefill_token: float = 1e-4  # s per prompt token processed in the step
     per_decode_token: float = 3e-4  # s per decode token (one per decoding request)
     per_kv_token: float = 2e-7  # s per KV-cache token read by attention in the step
+    host_overhead: float = 0.0  # s per step on the host: the loop, launching, bookkeeping
+    host_per_request: float = 0.0  # s per scheduled request: scheduling it, preparing its inputs
+    host_per_token: float = 0.0  # s per token processed (prompt or decode): input ids, positions, slots
+    overlap_exposed: float = 0.0  # s per step an overlapped loop cannot hide (only with overlap)
+    overlap: bool = False  # whether the host prepares step t+1 while the device runs step t
 
     def __post_init__(self):
         for field in fields(self):
             value = getattr(self, field.name)
-            if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value) or value < 0:
+            if field.name == "overlap":
+                if not isinstance(value, bool):
+                    raise ValueError(f"overlap = {value!r}: must be True or False")
+            elif isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value) or value < 0:
                 raise ValueError(f"{field.name} = {value!r}: must be a finite number >= 0")
 
-    def step_seconds(self, num_prefill_tokens, num_decode_tokens, num_kv_tokens):
-        """Seconds one step takes; scalars give a float, arrays an array of the same shape."""
+    def __repr__(self) -> str:
+        """The device terms always; host terms and overlap only when they are set."""
+        shown = [f.name for f in fields(self) if f.name in DEVICE_TERMS or getattr(self, f.name) != f.default]
+        return f"CostModel({', '.join(f'{name}={getattr(self, name)!r}' for name in shown)})"
+
+    @property
+    def has_host_terms(self) -> bool:
+        return any(getattr(self, name) for name in HOST_TERMS)
+
+    def device_seconds(self, num_prefill_tokens, num_decode_tokens, num_kv_tokens):
+        """Seconds of device work in one step; scalars give a float, arrays an array of the same shape."""
         if type(num_prefill_tokens) is type(num_decode_tokens) is type(num_kv_tokens) is int:  # the common case, cheaply
             return (self.overhead + self.per_prefill_token * num_prefill_tokens
                     + self.per_decode_token * num_decode_tokens + self.per_kv_token * num_kv_tokens)
@@ -59,62 +85,121 @@ class CostModel:
         )
         return float(seconds) if seconds.ndim == 0 else seconds
 
+    def host_seconds(self, num_requests, num_tokens):
+        """Seconds of host work in one step of `num_requests` scheduled requests processing `num_tokens`."""
+        seconds = (self.host_overhead + self.host_per_request * np.asarray(num_requests, dtype=float)
+                   + self.host_per_token * np.asarray(num_tokens, dtype=float))
+        return float(seconds) if seconds.ndim == 0 else seconds
+
+    def step_seconds(self, num_prefill_tokens, num_decode_tokens, num_kv_tokens, num_requests=None):
+        """Seconds one step takes: host + device, or with overlap max(host, device) + overlap_exposed.
+
+        num_requests: requests scheduled in the step; needed only when `host_per_request` is set.
+        """
+        device = self.device_seconds(num_prefill_tokens, num_decode_tokens, num_kv_tokens)
+        if not self.has_host_terms and not self.overlap:
+            return device
+        if num_requests is None:
+            if self.host_per_request:
+                raise ValueError("num_requests = None: host_per_request is set, so a step's price needs its requests")
+            num_requests = 0
+        host = self.host_seconds(num_requests, np.add(num_prefill_tokens, num_decode_tokens))
+        return self._combine(host, device)
+
+    def _combine(self, host, device):
+        if self.overlap:
+            seconds = np.maximum(host, device) + self.overlap_exposed
+        else:
+            seconds = np.add(host, device)
+        return float(seconds) if np.ndim(seconds) == 0 else seconds
+
     def decode_run_seconds(self, num_requests: int, first_num_kv_tokens: int, num_steps: int) -> np.ndarray:
         """Seconds of each of `num_steps` plain decode steps of `num_requests` requests, the
         first reading `first_num_kv_tokens` KV tokens and each later one `num_requests` more."""
-        first, growth = self._decode_run_terms(num_requests, first_num_kv_tokens)
-        return first + growth * np.arange(num_steps)  # (steps,)
+        floor, first, growth = self._decode_run_terms(num_requests, first_num_kv_tokens)
+        return np.maximum(floor, first + growth * np.arange(num_steps))  # (steps,)
 
     def decode_run_total(self, num_requests: int, first_num_kv_tokens: int, num_steps: int) -> float:
-        """The sum of `decode_run_seconds`, in closed form."""
-        first, growth = self._decode_run_terms(num_requests, first_num_kv_tokens)
-        return first * num_steps + growth * num_steps * (num_steps - 1) / 2
+        """The sum of `decode_run_seconds`, in closed form: the steps at the floor, then the rising ones."""
+        floor, first, growth = self._decode_run_terms(num_requests, first_num_kv_tokens)
+        num_at_floor = _steps_below(floor, first, growth, num_steps)
+        rising = first * (num_steps - num_at_floor) + growth * (
+            num_steps * (num_steps - 1) - num_at_floor * (num_at_floor - 1)) / 2
+        return floor * num_at_floor + rising
 
     def decode_run_length(self, num_requests: int, first_num_kv_tokens: int, seconds: float, max_steps: int) -> int:
         """How many steps of such a run pass, at most `max_steps`, until `seconds` have passed:
-        the step during which they pass counts."""
-        first, growth = self._decode_run_terms(num_requests, first_num_kv_tokens)
-        if seconds <= 0:
-            return min(1, max_steps)
-        if growth > 0:  # growth/2 n^2 + (first - growth/2) n >= seconds
-            linear = first - growth / 2
-            estimate = (math.sqrt(linear * linear + 2 * growth * seconds) - linear) / growth
-        else:
-            estimate = seconds / first if first > 0 else max_steps
-        num_steps = max(1, min(max_steps, math.ceil(estimate)))
-        total = partial(self.decode_run_total, num_requests, first_num_kv_tokens)
-        while num_steps > 1 and total(num_steps - 1) >= seconds:  # float rounding in the estimate
-            num_steps -= 1
-        while num_steps < max_steps and total(num_steps) < seconds:
-            num_steps += 1
-        return num_steps
+        the step during which they pass counts. A bisection on the closed-form total."""
+        low, high = 1, max_steps  # the answer lies in [low, high]
+        while low < high:
+            middle = (low + high) // 2
+            if self.decode_run_total(num_requests, first_num_kv_tokens, middle) >= seconds:
+                high = middle
+            else:
+                low = middle + 1
+        return low
 
-    def _decode_run_terms(self, num_requests: int, first_num_kv_tokens: int) -> tuple[float, float]:
-        """(seconds of the first step, seconds more per later step) of a decode run."""
-        first = self.overhead + self.per_decode_token * num_requests + self.per_kv_token * first_num_kv_tokens
-        return first, self.per_kv_token * num_requests
+    def _decode_run_terms(self, num_requests: int, first_num_kv_tokens: int) -> tuple[float, float, float]:
+        """(floor, first, growth): step k of a decode run takes max(floor, first + growth * k) seconds."""
+        device = self.overhead + self.per_decode_token * num_requests + self.per_kv_token * first_num_kv_tokens
+        growth = self.per_kv_token * num_requests
+        host = self.host_seconds(num_requests, num_requests)
+        if self.overlap:
+            return host + self.overlap_exposed, device + self.overlap_exposed, growth
+        return 0.0, host + device, growth
 
     @classmethod
     def fit(cls, log, holdout: float = 0.25, seed: int = 0) -> CostFit:
-        """Fit to a StepLog's measured steps; see `fit_arrays`."""
-        return cls.fit_arrays(
-            log.num_prefill_tokens, log.num_decode_tokens, log.num_kv_tokens, log.step_seconds, holdout, seed
+        """Fit to a StepLog's steps. A log that splits steps into host and device time (an
+        engine's, or a simulation's with a cost model) gets both sets of terms (`fit_split`);
+        any other, the device terms alone, to its step times (`fit_arrays`)."""
+        if not log.has_host_time:
+            return cls.fit_arrays(
+                log.num_prefill_tokens, log.num_decode_tokens, log.num_kv_tokens, log.step_seconds, holdout, seed
+            )
+        return cls.fit_split(
+            log.num_prefill_tokens, log.num_decode_tokens, log.num_kv_tokens, log.num_requests,
+            log.host_seconds, log.device_seconds, log.step_seconds, log.overlap, holdout, seed,
         )
 
     @classmethod
     def fit_arrays(
         cls, num_prefill_tokens, num_decode_tokens, num_kv_tokens, seconds, holdout: float = 0.25, seed: int = 0
     ) -> CostFit:
-        """Least squares with coefficients >= 0 on a random (1 - holdout) of the steps, tested on the rest."""
+        """Device terms, by least squares with coefficients >= 0, on a random (1 - holdout) of
+        the steps' total seconds, tested on the rest. The host terms stay 0."""
         prefill, decode, kv, seconds = _checked_steps(
             num_prefill_tokens=num_prefill_tokens, num_decode_tokens=num_decode_tokens,
             num_kv_tokens=num_kv_tokens, seconds=seconds,
         )
         train, test = _split(len(seconds), holdout, seed)
-        columns = np.column_stack([np.ones_like(seconds), prefill, decode, kv])
-        model = cls(*(float(c) for c in _nonnegative_lstsq(columns[train], seconds[train])))
+        model = cls(*_nonnegative_lstsq(_device_columns(prefill, decode, kv)[train], seconds[train]))
         predicted = model.step_seconds(prefill[test], decode[test], kv[test])
         return CostFit(model, len(train), len(test), *_errors(predicted, seconds[test]))
+
+    @classmethod
+    def fit_split(
+        cls, num_prefill_tokens, num_decode_tokens, num_kv_tokens, num_requests, host_seconds, device_seconds,
+        seconds, overlap: bool = False, holdout: float = 0.25, seed: int = 0,
+    ) -> CostFit:
+        """Device terms fitted to device time and host terms to host time, each by least
+        squares with coefficients >= 0 on the same random (1 - holdout) of the steps; with
+        `overlap`, `overlap_exposed` is what the training steps took beyond max(host, device)
+        on average. Tested on the held-out steps' total seconds."""
+        prefill, decode, kv, requests, host, device, seconds = _checked_steps(
+            num_prefill_tokens=num_prefill_tokens, num_decode_tokens=num_decode_tokens, num_kv_tokens=num_kv_tokens,
+            num_requests=num_requests, host_seconds=host_seconds, device_seconds=device_seconds, seconds=seconds,
+        )
+        train, test = _split(len(seconds), holdout, seed)
+        device_terms = _nonnegative_lstsq(_device_columns(prefill, decode, kv)[train], device[train])
+        host_columns = np.column_stack([np.ones_like(seconds), requests, prefill + decode])  # (steps, 3)
+        host_terms = _nonnegative_lstsq(host_columns[train], host[train])
+        model = cls(*map(float, device_terms), *map(float, host_terms), overlap=bool(overlap))
+        price = _step_pricer(prefill, decode, kv, requests)
+        if overlap:
+            exposed = max(0.0, float((seconds[train] - price(model, train)).mean()))
+            model = replace(model, overlap_exposed=exposed)
+        return CostFit(model, len(train), len(test), *_errors(price(model, test), seconds[test]))
 
 
 @dataclass(frozen=True)
@@ -133,6 +218,24 @@ class CostFit:
             f"CostModel fit on {self.num_train} steps, held-out error {self.relative_error:.1%} "
             f"over {self.num_test} steps (MAE {self.mean_abs_error * 1e3:.2f} ms, R² {self.r2:.2f})"
         )
+
+
+def _device_columns(prefill: np.ndarray, decode: np.ndarray, kv: np.ndarray) -> np.ndarray:
+    return np.column_stack([np.ones_like(prefill), prefill, decode, kv])  # (steps, 4)
+
+
+def _step_pricer(prefill, decode, kv, requests):
+    """price(model, steps): what `model` says the given steps take."""
+    return lambda model, steps: model.step_seconds(prefill[steps], decode[steps], kv[steps], requests[steps])
+
+
+def _steps_below(floor: float, first: float, growth: float, num_steps: int) -> int:
+    """How many of steps 0 .. num_steps-1 have first + growth * k below floor."""
+    if first >= floor:
+        return 0
+    if growth <= 0:
+        return num_steps
+    return min(num_steps, math.ceil((floor - first) / growth))
 
 
 def _checked_steps(**arrays) -> list[np.ndarray]:

@@ -31,12 +31,12 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
 from labkit.sched.blocks import BlockPool
-from labkit.sched.policy import HEAD_BLOCKED, NO_BUDGET, Decision
+from labkit.sched.policy import HEAD_BLOCKED, NO_BUDGET, Decision, check_policy
 from labkit.sched.state import Batch, Request, SchedulerState
 from labkit.sched.steplog import TIME_SLACK, RunSeconds, StepLog
 from labkit.traffic import Trace
@@ -68,6 +68,34 @@ def drive(
 
     blocks: the KV pool; by default the policy's (`num_blocks`), or none when that is unlimited.
     """
+    state, pending, log = start_run(trace, policy, blocks)
+    num_unfinished = len(state.by_id)
+    while num_unfinished:
+        decision, batch = next_batch(state, pending, policy, log)
+        if not batch.size:
+            if not (decision.preempt or decision.release):  # else the policy may decide anew at once
+                state.now = idle_until(state, pending, decision, policy)
+            continue
+        if on_step or not backend.plans_ahead or not _repeats(decision, batch):
+            num_steps = 1
+        else:
+            num_steps = _steps_until_event(state, batch, pending, decision, backend, policy)
+        growth = state.grow(batch, num_steps)
+        seconds = backend.execute(state, batch, num_steps, log)
+        steps = run_steps(state, batch, num_steps, decision, 0 if growth is None else growth.blocks_used())
+        end = state.now + (seconds.total if isinstance(seconds, RunSeconds) else num_steps * seconds)
+        log_steps(log, steps, state.now, seconds, pending.times_by(end) if num_steps > 1 else None)
+        state.now = end
+        num_unfinished -= len(steps.finished)
+        if on_step:
+            on_step(log)
+    end_run(state)
+    return log
+
+
+def start_run(trace: Trace, policy, blocks: BlockPool | None) -> tuple[SchedulerState, Pending, StepLog]:
+    """Check that `policy` is one and can serve every request; the state, arrivals and log of a new run."""
+    check_policy(policy)
     requests = _requests(trace)
     for request in requests:
         policy.check_fits(request)
@@ -76,34 +104,25 @@ def drive(
     state = SchedulerState(policy.num_slots, requests, blocks)
     pending = Pending(requests)
     state.now = pending.next_arrival()
-    log = StepLog(trace, policy.num_slots, repr(policy))
-    num_unfinished = len(requests)
-    while num_unfinished:
-        state.waiting.extend(pending.arrived_by(state.now))
-        decision = policy.schedule(state)
-        if decision.preempt:
-            log.count_preemptions(state.num_steps, [state.by_id[i] for i in decision.preempt])
-        for request in state.apply(decision):
-            log.admit_step[request.index] = state.num_steps
-            if policy.reserves_whole_length:
-                state.reserve(request)
-        batch = state.batch(decision)
-        if not batch.size:
-            if not (decision.preempt or decision.release):  # else the policy may decide anew at once
-                state.now = _idle_until(state, pending, decision, policy)
-            continue
-        if on_step or not backend.plans_ahead or not _repeats(decision, batch):
-            num_steps = 1
-        else:
-            num_steps = _steps_until_event(state, batch, pending, decision, backend, policy)
-        growth = state.grow(batch, num_steps)
-        seconds = backend.execute(state, batch, num_steps, log)
-        num_blocks_used = 0 if growth is None else growth.blocks_used()
-        num_unfinished -= _record(state, batch, num_steps, seconds, log, decision, num_blocks_used, pending)
-        if on_step:
-            on_step(log)
-    state.apply(Decision(release=tuple(r.id for r in state.finished_in_slots())))  # drain: free every slot
-    return log
+    return state, pending, StepLog(trace, policy.num_slots, repr(policy))
+
+
+def next_batch(state: SchedulerState, pending: Pending, policy, log: StepLog) -> tuple[Decision, Batch]:
+    """Take in the arrivals, ask the policy, apply its decision; who works in the next step."""
+    state.waiting.extend(pending.arrived_by(state.now))
+    decision = policy.schedule(state)
+    if decision.preempt:
+        log.count_preemptions(state.num_steps, [state.by_id[i] for i in decision.preempt])
+    for request in state.apply(decision):
+        log.admit_step[request.index] = state.num_steps
+        if policy.reserves_whole_length:
+            state.reserve(request)
+    return decision, state.batch(decision)
+
+
+def end_run(state: SchedulerState) -> None:
+    """Free every slot a finished request still holds."""
+    state.apply(Decision(release=tuple(r.id for r in state.finished_in_slots())))
 
 
 def _requests(trace: Trace) -> list[Request]:
@@ -152,7 +171,7 @@ class Pending:
         return bisect.bisect_right(self._times, moment + TIME_SLACK, lo=self._num_arrived)
 
 
-def _idle_until(state: SchedulerState, pending: Pending, decision: Decision, policy) -> float:
+def idle_until(state: SchedulerState, pending: Pending, decision: Decision, policy) -> float:
     """The next time anything can happen while nothing runs, or an error if never."""
     wakes = [pending.next_arrival()] if pending else []
     if decision.wake_at is not None:
@@ -181,25 +200,45 @@ def _steps_until_event(state, batch: Batch, pending: Pending, decision: Decision
     return backend.steps_until(batch, count, min(moments) - state.now - TIME_SLACK)
 
 
-def _record(state: SchedulerState, batch: Batch, count: int, seconds, log: StepLog, decision, num_blocks_used,
-            pending: Pending) -> int:
-    """Log `count` steps of `batch` and advance its requests; returns how many finished.
+class Steps(NamedTuple):
+    """What a run of `count` identical steps did, for the log: who worked in which slot, the
+    queue, and the requests whose prefill chunks ran, whose first token came, or who finished."""
+
+    row: np.ndarray
+    count: int
+    num_queued: int
+    blocked: str
+    decided_at: float
+    num_emitted: int
+    num_blocks_used: object
+    first_step: int
+    prefills: list[tuple[int, int]]  # (slot, prompt tokens) of each prompt, chunk or recompute
+    first_tokens: list[int]  # trace indices
+    finished: list[int]  # trace indices
+
+
+def run_steps(state: SchedulerState, batch: Batch, count: int, decision: Decision, num_blocks_used) -> Steps:
+    """Count `count` steps of `batch` done in `state` and say what they did.
 
     With count > 1, every request emits every step: its tokens in the first, one token after.
     """
     first_step = state.num_steps
-    end = state.now + (seconds.total if isinstance(seconds, RunSeconds) else count * seconds)
-    arrivals = pending.times_by(end) if count > 1 else None
-    log.append(state.row(batch), count, len(state.waiting), decision.blocked, state.now, seconds, batch.num_emitted,
-               num_blocks_used, arrivals)
-    prefills = [(r.slot, n) for r, n in batch.irregular if not r.is_decoding]  # a prompt, its chunk, or a recompute
-    if prefills:
-        log.mark_prefills(first_step, prefills)
-    for request, num_tokens in batch.irregular:
-        if num_tokens == request.num_uncomputed and not request.num_generated:
-            log.first_token_step[request.index] = first_step
+    row = state.row(batch)
+    prefills = [(r.slot, n) for r, n in batch.irregular if not r.is_decoding]
+    first_tokens = [r.index for r, n in batch.irregular if n == r.num_uncomputed and not r.num_generated]
+    num_queued = len(state.waiting)
     finished = state.advance(batch, count)
-    if finished:
-        log.finish_step[finished] = first_step + count - 1
-    state.now = end
-    return len(finished)
+    return Steps(row, count, num_queued, decision.blocked, state.now, batch.num_emitted, num_blocks_used, first_step,
+                 prefills, first_tokens, finished)
+
+
+def log_steps(log: StepLog, steps: Steps, start: float, seconds, arrivals: np.ndarray | None = None) -> None:
+    """Write `steps` into the log, starting at `start` and lasting `seconds` each (or a RunSeconds)."""
+    log.append(steps.row, steps.count, steps.num_queued, steps.blocked, start, seconds, steps.num_emitted,
+               steps.num_blocks_used, arrivals)
+    if steps.prefills:
+        log.mark_prefills(steps.first_step, steps.prefills)
+    for index in steps.first_tokens:
+        log.first_token_step[index] = steps.first_step
+    if steps.finished:
+        log.finish_step[steps.finished] = steps.first_step + steps.count - 1

@@ -68,6 +68,20 @@ class Decision:
     wake_at: float | None = None
 
 
+POLICY_ATTRIBUTES = ("num_slots", "num_blocks", "block_size", "reserves_whole_length", "check_fits", "schedule")
+
+
+def check_policy(policy) -> None:
+    """A TypeError, before any work, if `policy` is not a scheduling policy."""
+    missing = [name for name in POLICY_ATTRIBUTES if not hasattr(policy, name)]
+    if missing:
+        raise TypeError(
+            f"policy = {policy!r} is not a scheduling policy (it has no {', '.join(missing)}). Pass one such as "
+            "labkit.Continuous(num_slots=8), labkit.Static(num_slots=8) or labkit.Dynamic(num_slots=8, timeout=0.5): "
+            f"an object with {', '.join(POLICY_ATTRIBUTES[:-2])}, check_fits(request) and schedule(state) -> Decision"
+        )
+
+
 def _ids(requests) -> tuple[int, ...]:
     return tuple([r.id for r in requests])
 

@@ -1,7 +1,9 @@
 """The step simulator: the "predict" back end.
 
 A step lasts `step_time` seconds, or, given a `CostModel`, as long as the model says for
-the work in it (prompt tokens, decode tokens, KV tokens read). The simulator computes
+the work in it (prompt tokens, decode tokens, KV tokens read, requests scheduled), on the
+device and on the host, taking turns or overlapped; the log then splits each step into
+the model's host and device seconds. The simulator computes
 nothing per step: `drive` (labkit.sched.driver) runs each decision until the next event
 in one go, asking the back end how many steps pass before a moment. Scheduling rules and
 invariants are the driver's.
@@ -74,7 +76,7 @@ class ModeledStepTime:
         return RunSeconds(first + self.cost.decode_run_total(*rest), per_step)
 
     def _first_step_seconds(self, batch: Batch) -> float:
-        return self.cost.step_seconds(batch.num_prefill_tokens, batch.num_decode_tokens, batch.num_kv_tokens)
+        return self.cost.step_seconds(batch.num_prefill_tokens, batch.num_decode_tokens, batch.num_kv_tokens, batch.size)
 
 
 def _prepend(first: float, rest: Callable[[], np.ndarray]) -> np.ndarray:
@@ -98,7 +100,9 @@ def simulate(
         raise ValueError(f"cost = {cost!r}: must be a labkit.CostModel or None")
     backend = FixedStepTime(step_time) if cost is None else ModeledStepTime(cost)
     with nullcontext() if on_step else _cyclic_gc_paused():
-        return drive(trace, policy, backend, on_step)
+        log = drive(trace, policy, backend, on_step)
+    log.cost, log.overlap = cost, cost is not None and cost.overlap
+    return log
 
 
 @contextmanager

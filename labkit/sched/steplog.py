@@ -20,8 +20,14 @@ Invariants:
   means "not yet";
 - `prefill_tokens[s, k]` is how many prompt tokens slot k processed at step s (0 for a
   decode step or an idle slot);
-- an engine also fills `outputs` (request id -> generated token ids) and `phase_seconds`
-  (where each measured step's time went); a simulation leaves them empty.
+- an engine also fills `outputs` (request id -> generated token ids), `phase_seconds`
+  (where each measured step's time went) and `lanes` (wall-clock stretches of host and
+  device work); a simulation leaves them empty;
+- `host_seconds[s]` and `device_seconds[s]` split step s into host work (scheduling,
+  preparing inputs, bookkeeping) and device work (the forward and sampling kernels):
+  measured by an engine, priced by the cost model of a simulation. Without overlap a
+  step is host then device, so they sum to its seconds; with `overlap`, the host works
+  on the next step while the device runs this one.
 """
 
 from __future__ import annotations
@@ -86,6 +92,10 @@ class StepLog:
         self._prefills: list[tuple[int, list[tuple[int, int]]]] = []
         self._phases: dict[str, list[float]] = {}
         self._kv_tokens: list[tuple[int, int, int]] = []
+        self._host_device: list[tuple[float, float]] = []
+        self.cost = None  # the CostModel that timed a simulation, if any
+        self.overlap = False  # whether host work for a step overlapped the device's previous step
+        self.lanes: dict[str, list[tuple[float, float]]] = {"host": [], "device": []}
         self.outputs: dict[int, list[int]] = {}
         self.admit_step = np.full(len(trace), -1, np.int64)
         self.first_token_step = np.full(len(trace), -1, np.int64)
@@ -131,6 +141,14 @@ class StepLog:
         for phase, value in seconds.items():
             self._phases.setdefault(phase, []).append(value)
 
+    def record_host_device(self, host: float, device: float) -> None:
+        """Record one measured step's host and device seconds."""
+        self._host_device.append((host, device))
+
+    def record_lane(self, lane: str, start: float, end: float) -> None:
+        """Record a stretch of "host" or "device" work, in wall-clock seconds since the run began."""
+        self.lanes[lane].append((start, end))
+
     def record_kv_tokens(self, first: int, count: int = 1, growth: int = 0) -> None:
         """Record the KV tokens attention reads in the next `count` steps: `first` in the
         first, then `growth` more each step (one per decoding request)."""
@@ -145,6 +163,48 @@ class StepLog:
         if sum(count for _, count, _ in self._kv_tokens) != self.num_steps:
             raise ValueError("this log has no KV reads: they are recorded by the engine and by simulate(cost=...)")
         return np.concatenate([first + growth * np.arange(count) for first, count, growth in self._kv_tokens])
+
+    @property
+    def num_requests(self) -> np.ndarray:
+        """int [num_steps]: requests scheduled in the step."""
+        return (self.slots >= 0).sum(axis=1)
+
+    @property
+    def has_host_time(self) -> bool:
+        """Whether steps are split into host and device time (an engine's, or a cost model's)."""
+        return len(self._host_device) == self.num_steps > 0 or self.cost is not None
+
+    @property
+    def host_seconds(self) -> np.ndarray:
+        """float [num_steps]: host seconds of each step, measured or priced by the cost model."""
+        return self._host_and_device()[0]
+
+    @property
+    def device_seconds(self) -> np.ndarray:
+        """float [num_steps]: device seconds of each step, measured or priced by the cost model."""
+        return self._host_and_device()[1]
+
+    @property
+    def overlap_extra_rows(self) -> int:
+        """Rows an overlapped engine that stops on a sampled token (EOS) would run past a stop:
+        it decides step t+1 before it sees step t's token, so each finished request would run
+        one step more. Every output length is known here, so none ran; 0 without overlap."""
+        return int((self.finish_step >= 0).sum()) if self.overlap else 0
+
+    @property
+    def device_idle_fraction(self) -> float:
+        """The share of the run's step time in which the device did no work."""
+        return 1.0 - float(self.device_seconds.sum() / self.step_seconds.sum()) if self.num_steps else 0.0
+
+    def _host_and_device(self) -> tuple[np.ndarray, np.ndarray]:
+        if len(self._host_device) == self.num_steps > 0:
+            return tuple(np.array(values) for values in zip(*self._host_device))
+        if self.cost is None:
+            raise ValueError("this log has no host and device time: an engine measures them, "
+                             "and simulate(cost=...) prices them")
+        num_tokens = self.num_prefill_tokens + self.num_decode_tokens
+        return (self.cost.host_seconds(self.num_requests, num_tokens),
+                self.cost.device_seconds(self.num_prefill_tokens, self.num_decode_tokens, self.num_kv_tokens))
 
     @_per_step_array
     def prefill_tokens(self) -> np.ndarray:

@@ -1,0 +1,118 @@
+"""Overlap scheduling in the engine: the back end of `labkit.sched.overlap.drive_overlapped`.
+
+The plain back end (`labkit.engine.steps`) makes the host wait for every step. Here the
+device work of a step runs on a device lane, one worker thread, while the main thread
+decides and prepares the next step. A CUDA device runs the lane's kernels asynchronously
+and the lane thread waits for them without the Python lock, so on a GPU the overlap is
+real. On the CPU the lane runs an eager forward that holds the Python lock for much of
+its time, so the two threads partly take turns: the run measures how much is hidden.
+
+Placeholders. Step t+1 is prepared before step t has sampled its tokens, so a row whose
+next input is a token still being sampled gets a placeholder, -(i + 1) for the request at
+trace position i. Each step's device work first resolves placeholders from
+`next_tokens`, a device tensor with one entry per request, and ends by writing its
+sampled tokens there; the lane runs steps in order, so step t's tokens are in place
+before step t+1 reads them. The host takes the tokens into the sequences when it lands
+step t, after it has launched step t+1: at most one token per request is in flight.
+
+Invariants:
+
+- an overlapped run gives each request exactly the tokens of a plain run;
+- every row of step t+1 reads its placeholder's token from step t, the only step in
+  flight, so no row ever reads a token that is not yet written;
+- a step's seconds run from the previous landing to its own; its host time is the main
+  thread's work in that span (deciding and preparing the next step, taking this one's
+  tokens), not waiting; its device time is the lane's forward and sampling;
+- every output length is known, so the scheduler knows who finishes at step t before it
+  decides step t+1. An engine that stops on a sampled token (EOS) cannot: the request
+  runs one more step whose token is thrown away. The log counts those would-be rows in
+  `overlap_extra_rows`; this engine, which forces lengths, does not run them.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, replace
+
+import torch
+
+from labkit.engine.steps import TorchSteps
+from labkit.sched import Request, SchedulerState, StepLog
+from labkit.sched.state import Batch
+
+
+@dataclass(frozen=True)
+class _Launched:
+    """A step on the device lane: its result, and which requests its sampled tokens belong to."""
+
+    result: Future  # -> (tokens, device seconds, lane start, lane end)
+    emitting: list[int]  # trace indices, one per sampled token
+    num_kv_tokens: int
+
+
+class OverlappedSteps(TorchSteps):
+    """Launch a step on the device lane and return; land it (take its tokens) later."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.lane = ThreadPoolExecutor(1, thread_name_prefix="device-lane")
+        self.next_tokens = torch.zeros(len(self.trace), dtype=torch.long, device=self.engine.device)  # (N,)
+        self._last_land: float | None = None
+
+    def __enter__(self) -> OverlappedSteps:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.lane.shutdown(wait=True)
+
+    def launch(self, state: SchedulerState, batch: Batch, log: StepLog) -> _Launched:
+        if self._last_land is None:
+            self._last_land = time.perf_counter()
+        rows = self._rows(state, batch)
+        step_batch = self._prepare(rows)
+        emitting = self._emitting(rows)
+        indices = [rows[i][0].index for i in emitting]
+        device = self.engine.device
+        result = self.lane.submit(self._device_step, step_batch, torch.tensor(emitting, dtype=torch.long, device=device),
+                                  torch.tensor(indices, dtype=torch.long, device=device))
+        return _Launched(result, indices, sum(step_batch.context_lens))
+
+    def land(self, launched: _Launched, log: StepLog) -> float:
+        waited_from = time.perf_counter()
+        tokens, device, lane_start, lane_end = launched.result.result()
+        waited_to = time.perf_counter()
+        for index, token in zip(launched.emitting, tokens):
+            self.sequences[index].append(token)
+        end = time.perf_counter()
+        seconds = end - self._last_land
+        log.record_host_device(seconds - (waited_to - waited_from), device)
+        for lane, stretch in (("host", (self._last_land, waited_from)), ("device", (lane_start, lane_end)),
+                              ("host", (waited_to, end))):
+            log.record_lane(lane, *(moment - self.run_start for moment in stretch))
+        log.record_kv_tokens(launched.num_kv_tokens)
+        self.progress.update(len(tokens))
+        self._last_land = end
+        return seconds
+
+    def _device_step(self, step_batch, emitting_rows, emitting_indices) -> tuple[list[int], float, float, float]:
+        """On the lane: resolve placeholders, forward, sample, publish the tokens for the next step."""
+        with torch.inference_mode():
+            lane_start = time.perf_counter()
+            start = self.timer.mark()
+            ids = step_batch.input_ids  # (T,), placeholders < 0
+            resolved = torch.where(ids < 0, self.next_tokens[(-ids - 1).clamp(min=0)], ids)  # (T,)
+            sampled = self._forward(replace(step_batch, input_ids=resolved))[emitting_rows].argmax(dim=-1)  # (E,)
+            self.next_tokens[emitting_indices] = sampled
+            end = self.timer.mark()
+            tokens = sampled.tolist()  # waits for the device
+            return tokens, self.timer.seconds(start, end), lane_start, time.perf_counter()
+
+    def _tokens(self, request: Request, first: int, count: int) -> list[int]:
+        """As the plain back end's, but a token still being sampled is its request's placeholder."""
+        sequence = self.sequences[request.index]
+        tokens = sequence[first : first + count]
+        if len(tokens) < count:
+            assert first + count == len(sequence) + 1, f"{request} needs tokens beyond the one in flight"
+            tokens.append(-(request.index + 1))
+        return tokens

@@ -1,0 +1,177 @@
+"""Overlap scheduling: the loop one step ahead (labkit.sched.overlap) and the engine's
+device lane with placeholders (labkit.engine.overlap). The overlapped engine must give
+the plain engine's tokens and slots, and every comparison has a control that fails."""
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import labkit as lk
+from labkit.engine import Engine, ModelConfig
+from labkit.engine.overlap import OverlappedSteps
+from labkit.sched.driver import drive
+from labkit.sched.overlap import drive_overlapped
+from labkit.sched.simulator import FixedStepTime
+from labkit.sched.blocks import BlockPool
+
+TINY = ModelConfig(vocab_size=97, d_model=32, n_layers=2, n_heads=2, d_ff=64, max_seq_len=128)
+MIXED = lk.Trace.from_lengths([5, 1, 9, 3, 7, 2], prompt_lengths=[3, 0, 12, 1, 20, 6])
+POLICIES = [
+    lk.Static(num_slots=2, block_size=4),
+    lk.Static(num_slots=4, drop_finished=True),
+    lk.Static(num_slots=3, num_blocks=10, block_size=4),
+    lk.Dynamic(num_slots=4, timeout=0.01),
+    lk.Continuous(num_slots=3),
+    lk.Continuous(num_slots=3, max_tokens_per_step=8, chunked_prefill=True),
+    lk.Continuous(num_slots=4, num_blocks=12, block_size=4),  # preempts
+    lk.Continuous(num_slots=4, num_blocks=9, block_size=4, max_tokens_per_step=6, chunked_prefill=True, victim="longest"),
+]
+
+
+class OneSecondSteps:
+    """An overlapped back end without a device: every step lands one second after the last."""
+
+    def launch(self, state, batch, log):
+        return None
+
+    def land(self, launched, log) -> float:
+        return 1.0
+
+
+# The loop, without torch
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    output_lengths=st.lists(st.integers(1, 12), min_size=1, max_size=10),
+    prompt_lengths=st.data(),
+    policy=st.sampled_from(POLICIES),
+)
+def test_with_everyone_arrived_the_overlapped_loop_schedules_as_the_plain_one(output_lengths, prompt_lengths, policy):
+    prompts = prompt_lengths.draw(st.lists(st.integers(0, 12), min_size=len(output_lengths), max_size=len(output_lengths)))
+    trace = lk.Trace.from_lengths(output_lengths, prompts)
+    plain = drive(trace, policy, FixedStepTime(1.0))
+    overlapped = drive_overlapped(trace, policy, OneSecondSteps())
+    assert overlapped.slots.tolist() == plain.slots.tolist()
+    assert overlapped.prefill_tokens.tolist() == plain.prefill_tokens.tolist()
+    assert overlapped.finish_step.tolist() == plain.finish_step.tolist()
+    np.testing.assert_allclose(overlapped.step_start, plain.step_start)
+    assert overlapped.num_preemptions == plain.num_preemptions
+
+
+def test_an_arrival_joins_one_step_later():
+    """The negative control of the slot comparisons: request B arrives 1.5 s in, during step 1 (steps take 1 s). The plain loop admits it at
+    step 2; the overlapped loop decided step 2 at the start of step 1, so B joins at step 3."""
+    trace = lk.Trace.from_lengths([6, 2], arrivals=[0.0, 1.5])
+    policy = lk.Continuous(num_slots=2)
+    plain = drive(trace, policy, FixedStepTime(1.0))
+    overlapped = drive_overlapped(trace, policy, OneSecondSteps())
+    assert plain.admit_step.tolist() == [0, 2]
+    assert overlapped.admit_step.tolist() == [0, 3]
+    assert overlapped.ttft[1] - plain.ttft[1] == pytest.approx(1.0)  # one step of TTFT
+    assert overlapped.overlap and overlapped.overlap_extra_rows == 2 and plain.overlap_extra_rows == 0
+
+
+def test_an_idle_device_starts_a_step_at_its_decision():
+    trace = lk.Trace.from_lengths([2, 2], arrivals=[0.0, 10.0])
+    log = drive_overlapped(trace, lk.Continuous(num_slots=2), OneSecondSteps())
+    assert log.step_start.tolist() == [0.0, 1.0, 10.0, 11.0]
+
+
+@pytest.mark.parametrize("run", [
+    lambda policy: lk.simulate(MIXED, policy),
+    lambda policy: drive_overlapped(MIXED, policy, OneSecondSteps()),
+    lambda policy: Engine(TINY, device="cpu").run(MIXED, policy),
+])
+@pytest.mark.parametrize("policy", ["continuous", lk.Continuous, None, 8])
+def test_anything_but_a_policy_is_a_type_error(run, policy):
+    with pytest.raises(TypeError, match=f"policy = {policy!r} is not a scheduling policy .*labkit.Continuous"):
+        run(policy)
+
+
+# The engine
+
+
+@pytest.fixture(scope="module")
+def plain():
+    engine = Engine(TINY, device="cpu", seed=0, threads=1)
+    return {repr(policy): engine.run(MIXED, policy, progress=False) for policy in POLICIES}
+
+
+@pytest.fixture(scope="module")
+def overlapped():
+    engine = Engine(TINY, device="cpu", seed=0, threads=1, overlap=True)
+    return {repr(policy): engine.run(MIXED, policy, progress=False) for policy in POLICIES}
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=repr)
+def test_overlap_gives_the_same_tokens_and_slots(plain, overlapped, policy):
+    mine, reference = overlapped[repr(policy)], plain[repr(policy)]
+    assert mine.outputs == reference.outputs
+    assert mine.slots.tolist() == reference.slots.tolist()
+    assert mine.num_preemptions == reference.num_preemptions
+    assert mine.num_blocks_used.tolist() == reference.num_blocks_used.tolist()
+
+
+def test_the_runs_compared_preempt_and_chunk(overlapped):
+    assert overlapped[repr(POLICIES[6])].num_preemptions > 0
+    assert overlapped[repr(POLICIES[7])].num_preemptions > 0
+    chunked = overlapped[repr(POLICIES[5])]
+    assert ((chunked.slots == 4) & (chunked.prefill_tokens > 0)).sum() > 1  # request 4's prompt ran in chunks
+
+
+def test_a_stale_token_in_place_of_a_placeholder_breaks_the_equality(plain, monkeypatch):
+    """Negative control: feed the last token the host has instead of the one in flight."""
+
+    def stale(self, request, first, count):
+        sequence = self.sequences[request.index]
+        return [sequence[min(i, len(sequence) - 1)] for i in range(first, first + count)]
+
+    monkeypatch.setattr(OverlappedSteps, "_tokens", stale)
+    policy = POLICIES[4]
+    log = Engine(TINY, device="cpu", seed=0, threads=1, overlap=True).run(MIXED, policy, progress=False)
+    assert log.outputs != plain[repr(policy)].outputs
+
+
+def test_arrivals_spread_over_the_run_keep_the_tokens():
+    """Who joins when depends on the measured clock, and overlap makes arrivals join a step
+    later (the exact case is `test_an_arrival_joins_one_step_later`); the tokens never change."""
+    trace = replace(MIXED, arrivals=np.linspace(0.0, 0.02, len(MIXED)))
+    policy = lk.Continuous(num_slots=3)
+    logs = [Engine(TINY, device="cpu", seed=0, threads=1, overlap=overlap).run(trace, policy, progress=False)
+            for overlap in (False, True)]
+    assert logs[0].outputs == logs[1].outputs
+
+
+def test_a_leaked_block_is_caught(monkeypatch):
+    """Negative control for "every KV block comes back": the first release keeps one block."""
+    give_back, leaked = BlockPool.give_back, []
+
+    def leaky(self, block_ids, num_blocks):
+        give_back(self, block_ids, num_blocks - (not leaked))
+        leaked.append(True)
+
+    monkeypatch.setattr(BlockPool, "give_back", leaky)
+    with pytest.raises(AssertionError, match="every KV block"):
+        Engine(TINY, device="cpu", threads=1, overlap=True).run(MIXED, lk.Continuous(num_slots=3), progress=False)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_every_step_is_split_into_host_and_device_time(overlap):
+    log = Engine(TINY, device="cpu", threads=1, overlap=overlap).run(MIXED, lk.Continuous(num_slots=3), progress=False)
+    host, device = log.host_seconds, log.device_seconds
+    assert host.shape == device.shape == (log.num_steps,)
+    assert (device > 0).all() and (host > 0).all()
+    assert 0 < log.device_idle_fraction < 1
+    assert len(log.lanes["device"]) == log.num_steps and len(log.lanes["host"]) == 2 * log.num_steps
+    if not overlap:
+        np.testing.assert_allclose(host + device, log.step_seconds)
+        assert log.device_idle_fraction == pytest.approx(host.sum() / log.step_seconds.sum())
+
+
+def test_overlap_must_be_a_bool():
+    with pytest.raises(ValueError, match="overlap = 'yes': must be True or False"):
+        Engine(TINY, device="cpu", overlap="yes")
