@@ -29,6 +29,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_simulate.py
 	$(PY) benchmarks/bench_engine.py
 	$(PY) benchmarks/bench_peers.py
+	$(PY) benchmarks/bench_host.py
 
 notebooks: $(STAMP)
 	$(PY) tools/run_notebooks.py

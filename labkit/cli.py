@@ -33,7 +33,7 @@ MEAN_OUTPUT = 32
 MEAN_PROMPT = 16
 WARM_UP = lk.Trace.from_lengths([2])
 COLUMNS = [
-    "policy", "steps", "util (%)", "tokens/s", "TTFT p50 (ms)", "TTFT p99 (ms)",
+    "policy", "steps", "util (%)", "device idle (%)", "tokens/s", "TTFT p50 (ms)", "TTFT p99 (ms)",
     "ITL p50 (ms)", "ITL p99 (ms)", "predicted gain", "measured gain",
 ]
 
@@ -95,6 +95,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         "--no-cuda-graphs", action="store_true", help="on a CUDA device, run decode steps eagerly, not from graphs"
     )
     demo_parser.add_argument(
+        "--overlap", action="store_true", help="schedule and prepare each step while the previous one runs"
+    )
+    demo_parser.add_argument(
         "--seed", type=_whole_number(0), default=0, help="seed for the sampled trace and the model (default 0)"
     )
     demo_parser.add_argument("--no-progress", action="store_true", help="hide the engine's progress bars")
@@ -119,7 +122,8 @@ def prepare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[
                      "toy, azure-conv and CSV traces keep their own")
     try:
         engine = Engine(ModelConfig(attention=args.attention), device=args.device, seed=args.seed,
-                        threads=args.threads, dtype=args.dtype, cuda_graphs=not args.no_cuda_graphs)
+                        threads=args.threads, dtype=args.dtype, cuda_graphs=not args.no_cuda_graphs,
+                        overlap=args.overlap)
     except ValueError as error:
         parser.error(f"argument --device: {error}")
     try:
@@ -132,7 +136,7 @@ def prepare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[
 def print_header(engine: Engine, trace: lk.Trace, description: str) -> None:
     config = engine.config
     print(f"device: {engine.device} ({engine.threads} CPU thread(s), {engine.dtype_name}, "
-          f"CUDA graphs {'on' if engine.cuda_graphs else 'off'})")
+          f"CUDA graphs {'on' if engine.cuda_graphs else 'off'}, overlap {'on' if engine.overlap else 'off'})")
     print(f"model:  TinyGPT, {engine.model.num_parameters() / 1e6:.2f}M parameters "
           f"({config.n_layers} layers, d_model {config.d_model}, vocab {config.vocab_size}), "
           f"{config.attention} attention")
@@ -196,7 +200,8 @@ def report_rows(logs: dict[str, lk.StepLog], predicted: float) -> list[list[str]
         itl = [1000 * metrics.percentile(gaps, q) for q in (50, 99)]
         gains = (1.0, 1.0) if name == "static" else (predicted, log.tokens_per_second / baseline)
         rows.append([
-            name, f"{log.num_steps:,}", f"{100 * log.utilization:.1f}", f"{log.tokens_per_second:,.0f}",
+            name, f"{log.num_steps:,}", f"{100 * log.utilization:.1f}", f"{100 * log.device_idle_fraction:.1f}",
+            f"{log.tokens_per_second:,.0f}",
             *(f"{ms:,.1f}" for ms in (*ttft, *itl)), *(f"{gain:.2f}x" for gain in gains),
         ])
     return rows

@@ -24,7 +24,7 @@ def write_csv(path, rows: list[str]):
 def test_toy_demo_reports_both_policies(capsys):
     assert main(TOY) == 0
     out = capsys.readouterr().out
-    assert "device: cpu (1 CPU thread(s), float32, CUDA graphs off)" in out
+    assert "device: cpu (1 CPU thread(s), float32, CUDA graphs off, overlap off)" in out
     assert "3.67M parameters" in out and "batched attention" in out and "toy: requests A-H" in out
     rows = table_rows(out)
     assert list(rows) == ["static", "continuous"]
@@ -32,6 +32,15 @@ def test_toy_demo_reports_both_policies(capsys):
     assert rows["continuous"][:2] == ["17", "94.1"]
     assert rows["static"][-2:] == ["1.00x", "1.00x"]
     assert rows["continuous"][-2] == "1.35x"  # 23 / 17 slot-steps, from the simulator
+
+
+def test_overlap_gives_the_same_schedule_and_reports_the_idle_device(capsys):
+    assert main([*TOY, "--overlap"]) == 0
+    out = capsys.readouterr().out
+    assert "overlap on)" in out
+    rows = table_rows(out)
+    assert rows["continuous"][:2] == ["17", "94.1"]
+    assert all(0 <= float(row[2]) < 100 for row in rows.values())  # device idle (%)
 
 
 def test_the_per_request_layout_gives_the_same_schedule(capsys):

@@ -175,3 +175,24 @@ def test_every_step_is_split_into_host_and_device_time(overlap):
 def test_overlap_must_be_a_bool():
     with pytest.raises(ValueError, match="overlap = 'yes': must be True or False"):
         Engine(TINY, device="cpu", overlap="yes")
+
+
+def test_extra_host_work_shows_in_the_host_time_and_not_the_tokens(plain):
+    policy = POLICIES[4]
+    log = Engine(TINY, device="cpu", seed=0, threads=1, extra_host_seconds=0.002).run(MIXED, policy, progress=False)
+    assert log.outputs == plain[repr(policy)].outputs
+    assert (log.host_seconds >= 0.002).all()
+
+
+@pytest.mark.parametrize("value", [-0.001, 1.0, "0.1", True])
+def test_extra_host_seconds_must_be_a_small_number(value):
+    with pytest.raises(ValueError, match=f"extra_host_seconds = {value!r}: must be a number of seconds in"):
+        Engine(TINY, device="cpu", extra_host_seconds=value)
+
+
+def test_an_overlapped_run_restores_the_lock_hand_over_interval():
+    import sys
+
+    before = sys.getswitchinterval()
+    Engine(TINY, device="cpu", threads=1, overlap=True).run(MIXED, POLICIES[4], progress=False)
+    assert sys.getswitchinterval() == before

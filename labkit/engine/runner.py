@@ -69,6 +69,7 @@ class Engine:
         dtype: str = "float32",
         cuda_graphs: bool = True,
         overlap: bool = False,
+        extra_host_seconds: float = 0.0,
     ):
         """threads: torch's intra-op CPU threads while the engine works; by default every
         CPU but one (`labkit.engine.device.default_threads` says why).
@@ -76,11 +77,16 @@ class Engine:
         cuda_graphs: on a CUDA device, replay decode steps from CUDA graphs
         (`labkit.engine.cuda_graphs`); ignored elsewhere.
         overlap: schedule and prepare step t+1 while step t runs (`labkit.engine.overlap`).
+        extra_host_seconds: busy Python work added to every step's host side, a knob to make
+        the host's share large on purpose (`labkit.engine.steps.busy_python`).
         """
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
             raise ValueError(f"threads = {threads!r}: must be a whole number >= 1")
         if not isinstance(overlap, bool):
             raise ValueError(f"overlap = {overlap!r}: must be True or False")
+        if isinstance(extra_host_seconds, bool) or not isinstance(extra_host_seconds, (int, float)) or not (
+                0 <= extra_host_seconds < 1):
+            raise ValueError(f"extra_host_seconds = {extra_host_seconds!r}: must be a number of seconds in [0, 1)")
         if dtype not in DTYPES:
             raise ValueError(f"dtype = {dtype!r}: must be one of {', '.join(DTYPES)}")
         self.device = resolve_device(device)
@@ -91,10 +97,12 @@ class Engine:
         self.threads = threads or default_threads()
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         self.overlap = overlap
+        self.extra_host_seconds = float(extra_host_seconds)
 
     def __repr__(self) -> str:
         return (f"Engine({self.config}, device={str(self.device)!r}, seed={self.seed}, threads={self.threads}, "
-                f"dtype={self.dtype_name!r}, cuda_graphs={self.cuda_graphs}, overlap={self.overlap})")
+                f"dtype={self.dtype_name!r}, cuda_graphs={self.cuda_graphs}, overlap={self.overlap}"
+                f"{f', extra_host_seconds={self.extra_host_seconds}' if self.extra_host_seconds else ''})")
 
     def prompt_ids(self, request_id: int, prompt_len: int) -> list[int]:
         """The begin-of-sequence token and `prompt_len` prompt ids drawn from (seed, request id)."""

@@ -31,6 +31,14 @@ from labkit.traffic import Trace
 BOS_TOKEN = 0
 
 
+def busy_python(seconds: float) -> None:
+    """Run Python bytecode for `seconds`, holding the interpreter lock as a slow scheduler
+    would (sleeping would release it, and cost the process nothing)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
 @dataclass(eq=False)
 class TorchSteps:
     """Prepare, forward, sample; timed. The phases of a step: schedule (from the previous
@@ -101,7 +109,8 @@ class TorchSteps:
     def _prepare(self, rows: list[tuple[Request, int]]) -> StepBatch:
         """Each row's new tokens: the next `n` uncomputed ones (a prompt, a chunk, a recompute,
         or the last output), or, for a finished row kept as padding (n = 0), its last
-        computed token again, rewritten in place."""
+        computed token again, rewritten in place. First, the engine's extra host work, if any."""
+        busy_python(self.engine.extra_host_seconds)
         new_tokens, starts = [], []
         for request, num_tokens in rows:
             if request.index not in self.sequences:  # admitted this step: its sequence starts as its prompt
