@@ -363,3 +363,32 @@ def test_the_reference_passes_on_the_engine_and_a_wrong_one_fails():
     failed = q6.on_engine(admit_newest_first)
     assert not failed and failed.message.startswith("On the engine")
     assert "newest waiting request first" in failed.message
+
+
+# q7: a step's length with and without overlap
+
+
+@pytest.mark.parametrize("answer, expected, says", [
+    ((10, 6), True, "10 ms without overlap, 6 ms with it: the slower lane, the host, sets the pace, 1.67×"),
+    ((10.0, 6.02), True, "1.67×"),
+    ((6, 10), False, "swapped"),
+    ((10, 4), False, "the device cannot start a step before its 6 ms of host work is done"),
+    ((10, 10), False, "overlap hides the shorter lane"),
+    ((9, 5), False, "is not it. Without overlap the lanes take turns"),
+    (("ten", 6), False, "ms without overlap"),
+    ((None, None), False, ""),
+])
+def test_q7_grades_the_step_lengths(answer, expected, says, capsys):
+    from labkit.exercises import q7
+
+    verdict = q7.check(answer)
+    assert bool(verdict) is expected
+    assert says in str(verdict)
+
+
+def test_q7_expected_comes_from_the_lanes():
+    from labkit.exercises.host import OverlapStep
+
+    assert OverlapStep(host=2.0, device=5.0).expected() == (7.0, 5.0)
+    assert "faster" not in str(OverlapStep(host=2.0, device=5.0).check((7, 2)))  # the host is the faster lane
+    assert "2 ms is the host's" in str(OverlapStep(host=2.0, device=5.0).check((7, 2)))

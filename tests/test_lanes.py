@@ -47,10 +47,12 @@ def test_lanes_never_overlap_themselves_and_device_follows_host(host, device, nu
     assert overlap_speedup(host, device) <= 2.0
 
 
-def test_from_log_takes_the_first_steps_measured_stretches():
+def test_from_log_takes_the_measured_stretches_of_the_steps_asked_for():
     class Log:
         lanes = {"host": [(0, 1), (3, 4), (4, 5), (7, 8)], "device": [(1, 3), (5, 7)]}
 
-    lanes = Lanes.from_log(Log, num_steps=1)
-    assert lanes.device.tolist() == [[1, 3]] and lanes.host.tolist() == [[0, 1]]
+    first = Lanes.from_log(Log, num_steps=1)
+    assert first.device.tolist() == [[1, 3]] and first.host.tolist() == [[0, 1]]
     assert np.isclose(Lanes.from_log(Log, 2).device_idle_fraction, 1 - 4 / 7)
+    second = Lanes.from_log(Log, num_steps=1, first_step=1)  # from the end of step 0, at 3
+    assert second.device.tolist() == [[2, 4]] and second.host.tolist() == [[0, 1], [1, 2]]

@@ -84,7 +84,7 @@ def test_make_student_writes_a_copy_of_each_lesson_with_solutions_and_drops_stal
     make_student.main([])
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "01_static_vs_continuous.ipynb", "02_how_much_it_buys.ipynb", "04_kv_memory_and_preemption.ipynb",
-        "05_chunked_prefill_and_latency.ipynb", "06_exercises.ipynb",
+        "05_chunked_prefill_and_latency.ipynb", "06_exercises.ipynb", "07_when_the_cpu_shows.ipynb",
     ]
 
 

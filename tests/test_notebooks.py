@@ -17,7 +17,8 @@ def test_the_lessons_exist():
     assert "01_static_vs_continuous.ipynb" in names
     assert "02_how_much_it_buys.ipynb" in names
     assert "06_exercises.ipynb" in names
-    assert "07_in_30_seconds.ipynb" in names
+    assert "07_when_the_cpu_shows.ipynb" in names
+    assert names[-1] == "08_in_30_seconds.ipynb"  # the 30-second summary stays last
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)

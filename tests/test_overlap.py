@@ -6,6 +6,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -13,7 +14,7 @@ import labkit as lk
 from labkit.engine import Engine, ModelConfig
 from labkit.engine.overlap import OverlappedSteps
 from labkit.sched.driver import drive
-from labkit.sched.overlap import drive_overlapped
+from labkit.sched.overlap import FixedLanding, drive_overlapped
 from labkit.sched.simulator import FixedStepTime
 from labkit.sched.blocks import BlockPool
 
@@ -31,16 +32,6 @@ POLICIES = [
 ]
 
 
-class OneSecondSteps:
-    """An overlapped back end without a device: every step lands one second after the last."""
-
-    def launch(self, state, batch, log):
-        return None
-
-    def land(self, launched, log) -> float:
-        return 1.0
-
-
 # The loop, without torch
 
 
@@ -54,7 +45,7 @@ def test_with_everyone_arrived_the_overlapped_loop_schedules_as_the_plain_one(ou
     prompts = prompt_lengths.draw(st.lists(st.integers(0, 12), min_size=len(output_lengths), max_size=len(output_lengths)))
     trace = lk.Trace.from_lengths(output_lengths, prompts)
     plain = drive(trace, policy, FixedStepTime(1.0))
-    overlapped = drive_overlapped(trace, policy, OneSecondSteps())
+    overlapped = drive_overlapped(trace, policy, FixedLanding(1.0))
     assert overlapped.slots.tolist() == plain.slots.tolist()
     assert overlapped.prefill_tokens.tolist() == plain.prefill_tokens.tolist()
     assert overlapped.finish_step.tolist() == plain.finish_step.tolist()
@@ -68,7 +59,7 @@ def test_an_arrival_joins_one_step_later():
     trace = lk.Trace.from_lengths([6, 2], arrivals=[0.0, 1.5])
     policy = lk.Continuous(num_slots=2)
     plain = drive(trace, policy, FixedStepTime(1.0))
-    overlapped = drive_overlapped(trace, policy, OneSecondSteps())
+    overlapped = drive_overlapped(trace, policy, FixedLanding(1.0))
     assert plain.admit_step.tolist() == [0, 2]
     assert overlapped.admit_step.tolist() == [0, 3]
     assert overlapped.ttft[1] - plain.ttft[1] == pytest.approx(1.0)  # one step of TTFT
@@ -77,13 +68,13 @@ def test_an_arrival_joins_one_step_later():
 
 def test_an_idle_device_starts_a_step_at_its_decision():
     trace = lk.Trace.from_lengths([2, 2], arrivals=[0.0, 10.0])
-    log = drive_overlapped(trace, lk.Continuous(num_slots=2), OneSecondSteps())
+    log = drive_overlapped(trace, lk.Continuous(num_slots=2), FixedLanding(1.0))
     assert log.step_start.tolist() == [0.0, 1.0, 10.0, 11.0]
 
 
 @pytest.mark.parametrize("run", [
     lambda policy: lk.simulate(MIXED, policy),
-    lambda policy: drive_overlapped(MIXED, policy, OneSecondSteps()),
+    lambda policy: drive_overlapped(MIXED, policy, FixedLanding(1.0)),
     lambda policy: Engine(TINY, device="cpu").run(MIXED, policy),
 ])
 @pytest.mark.parametrize("policy", ["continuous", lk.Continuous, None, 8])
@@ -196,3 +187,15 @@ def test_an_overlapped_run_restores_the_lock_hand_over_interval():
     before = sys.getswitchinterval()
     Engine(TINY, device="cpu", threads=1, overlap=True).run(MIXED, POLICIES[4], progress=False)
     assert sys.getswitchinterval() == before
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("cuda_graphs", [False, True])
+def test_on_cuda_overlap_gives_the_plain_tokens_and_slots(cuda_graphs):
+    engines = [Engine(TINY, device="cuda", seed=0, cuda_graphs=cuda_graphs, overlap=overlap) for overlap in (False, True)]
+    for policy in POLICIES:
+        plain_log, overlapped_log = (engine.run(MIXED, policy, progress=False) for engine in engines)
+        assert overlapped_log.outputs == plain_log.outputs
+        assert overlapped_log.slots.tolist() == plain_log.slots.tolist()
+        assert (overlapped_log.device_seconds > 0).all()

@@ -51,11 +51,14 @@ class Lanes:
         return float(self.device[-1, 1] - self.device[-2, 1])
 
     @classmethod
-    def from_log(cls, log, num_steps: int) -> Lanes:
-        """The measured stretches of an engine run's first `num_steps` steps (on the wall clock)."""
-        device = np.array(log.lanes["device"][:num_steps]).reshape(-1, 2)
+    def from_log(cls, log, num_steps: int, first_step: int = 0) -> Lanes:
+        """The measured stretches of an engine run's steps first_step .. first_step + num_steps - 1,
+        on the wall clock, from the end of the step before them (or the run's start)."""
+        device = np.array(log.lanes["device"]).reshape(-1, 2)[first_step : first_step + num_steps]
         host = np.array(log.lanes["host"]).reshape(-1, 2)
-        return cls(host[host[:, 1] <= device[-1, 1]], device)
+        origin = log.lanes["device"][first_step - 1][1] if first_step else 0.0
+        host = host[(host[:, 1] > origin) & (host[:, 0] < device[-1, 1])]
+        return cls(np.clip(host, origin, None) - origin, device - origin)
 
 
 def two_lanes(host: float, device: float, num_steps: int, overlap: bool) -> Lanes:

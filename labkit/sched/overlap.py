@@ -44,6 +44,20 @@ class OverlappedBackend(Protocol):
         """Wait for a launched step and take its outputs; the seconds since the previous step landed."""
 
 
+class FixedLanding:
+    """An overlapped back end without a device: every step lands `step_time` seconds after
+    the previous one, to show the loop's schedule on its own."""
+
+    def __init__(self, step_time: float):
+        self.step_time = step_time
+
+    def launch(self, state: SchedulerState, batch: Batch, log: StepLog) -> None:
+        return None
+
+    def land(self, launched: None, log: StepLog) -> float:
+        return self.step_time
+
+
 class _InFlight(NamedTuple):
     launched: object
     steps: Steps

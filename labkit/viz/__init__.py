@@ -18,12 +18,14 @@ from labkit.viz.figures import (
     utilization_bars,
 )
 from labkit.viz.costs import step_breakdown, step_time_curve
+from labkit.viz.lanes import LaneExplorer, lane_timeline, overlap_speedup_curve
 from labkit.viz.latency import TradeoffPoint, goodput_bars, latency_tradeoff, pareto_optimal, step_times, tradeoff_point
 from labkit.viz.live import LiveSlotDiagram
 from labkit.viz.memory import pool_sweep, pool_usage, preemption_steps, running_requests
 from labkit.viz.stepper import ScheduleStepper, progress_text
 
 __all__ = [
+    "LaneExplorer",
     "LiveSlotDiagram",
     "ScheduleStepper",
     "TradeoffPoint",
@@ -39,8 +41,10 @@ __all__ = [
     "clipped_bars",
     "harmonic_curves",
     "kernel_free_bundle",
+    "lane_timeline",
     "length_histogram",
     "monte_carlo_convergence",
+    "overlap_speedup_curve",
     "phase_split",
     "progress_text",
     "redraw",

@@ -1,0 +1,71 @@
+"""A predict-then-check problem for lesson 07: how long a step takes when host and device
+take turns, and when they overlap.
+
+Invariants: the expected answer, and every number a verdict quotes, comes from
+`labkit.sched.lanes` when asked; nothing is written down.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from labkit.exercises.feedback import Question, correct, incorrect, pair, real_number
+from labkit.sched.lanes import two_lanes
+
+
+@dataclass(frozen=True)
+class OverlapStep(Question):
+    """Each step needs `host` ms of host work and `device` ms of device work. In steady state,
+    how many ms does a step take without overlap, and with it?"""
+
+    host: float
+    device: float
+    answer_format = "(ms without overlap, ms with overlap), e.g. (9.0, 6.0)"
+    tolerance = 0.05  # ms
+
+    def expected(self) -> tuple[float, float]:
+        return tuple(two_lanes(self.host, self.device, 4, overlap).step_period for overlap in (False, True))
+
+    def grade(self, answer):
+        first, second = pair(answer, self.answer_format)
+        answered = real_number(first, "ms without overlap"), real_number(second, "ms with overlap")
+        plain, overlapped = self.expected()
+        if self._near(answered, (plain, overlapped)):
+            slower = "host" if self.host > self.device else "device"
+            return correct(f"{plain:g} ms without overlap, {overlapped:g} ms with it: the slower lane, the {slower}, "
+                           f"sets the pace, {plain / overlapped:.2f}× the throughput.")
+        for candidate, message in self._mistakes():
+            if self._near(answered, candidate):
+                return incorrect(f"{answered}: {message}")
+        return incorrect(f"{answered} is not it. {self.hint_text()}")
+
+    def _near(self, answered, target) -> bool:
+        return all(math.isclose(a, t, abs_tol=self.tolerance) for a, t in zip(answered, target))
+
+    def _mistakes(self) -> list[tuple[tuple[float, float], str]]:
+        plain, overlapped = self.expected()
+        faster = min(self.host, self.device)
+        if self.host > self.device:
+            only_faster = (f"the device cannot start a step before its {self.host:g} ms of host work is done: the host "
+                           "is the slower lane here, and it sets the pace.")
+        else:
+            only_faster = (f"overlap cannot make a step shorter than its slower lane: {faster:g} ms is the host's, "
+                           "and every step still waits for the device.")
+        return [
+            ((overlapped, plain), "the two are swapped: taking turns is the slower loop."),
+            ((plain, faster), only_faster),
+            ((plain, plain), "overlap hides the shorter lane behind the longer one, so a step shrinks to the longer."),
+        ]
+
+    def hint_text(self) -> str:
+        return ("Without overlap the lanes take turns, so a step is host + device. With overlap the host prepares "
+                "the next step while the device runs this one: which lane then decides how often a step ends?")
+
+    def solution_text(self) -> str:
+        plain, overlapped = self.expected()
+        return (f"Without overlap: {self.host:g} + {self.device:g} = {plain:g} ms. With overlap: "
+                f"max({self.host:g}, {self.device:g}) = {overlapped:g} ms.")
+
+
+q7 = OverlapStep(host=6.0, device=4.0)
