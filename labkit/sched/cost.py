@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields, replace
+from functools import cached_property
 from itertools import combinations
 from numbers import Real
 
@@ -68,7 +69,7 @@ class CostModel:
         shown = [f.name for f in fields(self) if f.name in DEVICE_TERMS or getattr(self, f.name) != f.default]
         return f"CostModel({', '.join(f'{name}={getattr(self, name)!r}' for name in shown)})"
 
-    @property
+    @cached_property
     def has_host_terms(self) -> bool:
         return any(getattr(self, name) for name in HOST_TERMS)
 
@@ -120,20 +121,17 @@ class CostModel:
         return np.maximum(floor, first + growth * np.arange(num_steps))  # (steps,)
 
     def decode_run_total(self, num_requests: int, first_num_kv_tokens: int, num_steps: int) -> float:
-        """The sum of `decode_run_seconds`, in closed form: the steps at the floor, then the rising ones."""
-        floor, first, growth = self._decode_run_terms(num_requests, first_num_kv_tokens)
-        num_at_floor = _steps_below(floor, first, growth, num_steps)
-        rising = first * (num_steps - num_at_floor) + growth * (
-            num_steps * (num_steps - 1) - num_at_floor * (num_at_floor - 1)) / 2
-        return floor * num_at_floor + rising
+        """The sum of `decode_run_seconds`, in closed form."""
+        return _run_total(self._decode_run_terms(num_requests, first_num_kv_tokens), num_steps)
 
     def decode_run_length(self, num_requests: int, first_num_kv_tokens: int, seconds: float, max_steps: int) -> int:
         """How many steps of such a run pass, at most `max_steps`, until `seconds` have passed:
         the step during which they pass counts. A bisection on the closed-form total."""
+        terms = self._decode_run_terms(num_requests, first_num_kv_tokens)
         low, high = 1, max_steps  # the answer lies in [low, high]
         while low < high:
             middle = (low + high) // 2
-            if self.decode_run_total(num_requests, first_num_kv_tokens, middle) >= seconds:
+            if _run_total(terms, middle) >= seconds:
                 high = middle
             else:
                 low = middle + 1
@@ -143,7 +141,7 @@ class CostModel:
         """(floor, first, growth): step k of a decode run takes max(floor, first + growth * k) seconds."""
         device = self.overhead + self.per_decode_token * num_requests + self.per_kv_token * first_num_kv_tokens
         growth = self.per_kv_token * num_requests
-        host = self.host_seconds(num_requests, num_requests)
+        host = self.host_overhead + (self.host_per_request + self.host_per_token) * num_requests  # a token each
         if self.overlap:
             return host + self.overlap_exposed, device + self.overlap_exposed, growth
         return 0.0, host + device, growth
@@ -227,6 +225,16 @@ def _device_columns(prefill: np.ndarray, decode: np.ndarray, kv: np.ndarray) -> 
 def _step_pricer(prefill, decode, kv, requests):
     """price(model, steps): what `model` says the given steps take."""
     return lambda model, steps: model.step_seconds(prefill[steps], decode[steps], kv[steps], requests[steps])
+
+
+def _run_total(terms: tuple[float, float, float], num_steps: int) -> float:
+    """The sum over steps k = 0 .. num_steps-1 of max(floor, first + growth * k): the steps at
+    the floor, then the rising ones."""
+    floor, first, growth = terms
+    num_at_floor = _steps_below(floor, first, growth, num_steps)
+    rising = first * (num_steps - num_at_floor) + growth * (
+        num_steps * (num_steps - 1) - num_at_floor * (num_at_floor - 1)) / 2
+    return floor * num_at_floor + rising
 
 
 def _steps_below(floor: float, first: float, growth: float, num_steps: int) -> int:

@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable
-from typing import NamedTuple, Protocol
+from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -200,7 +201,8 @@ def _steps_until_event(state, batch: Batch, pending: Pending, decision: Decision
     return backend.steps_until(batch, count, min(moments) - state.now - TIME_SLACK)
 
 
-class Steps(NamedTuple):
+@dataclass(slots=True)
+class Steps:
     """What a run of `count` identical steps did, for the log: who worked in which slot, the
     queue, and the requests whose prefill chunks ran, whose first token came, or who finished."""
 
