@@ -71,8 +71,8 @@ class TorchSteps:
         rows = self._rows(state, batch)
         step_batch = self._prepare(rows)
         prepared = time.perf_counter()
-        device_start = self.timer.mark()
         emitting = self._emitting(rows)
+        device_start = self.timer.mark()
         sampled = self._forward(step_batch)[emitting].argmax(dim=-1)  # (E,)
         device_end = self.timer.mark()
         tokens = sampled.tolist()  # waits for the device
@@ -80,15 +80,20 @@ class TorchSteps:
         for i, token in zip(emitting, tokens):
             self.sequences[rows[i][0].index].append(token)
         end = self._last_step_end = time.perf_counter()
-        device = self.timer.seconds(device_start, device_end)
+        self._record(log, (step_start, start, prepared, computed, end), self.timer.seconds(device_start, device_end))
+        log.record_kv_tokens(sum(step_batch.context_lens))
+        self.progress.update(len(emitting))
+        return end - step_start
+
+    def _record(self, log: StepLog, moments: tuple[float, ...], device: float) -> None:
+        """Log a step's phases, its host and device seconds, and its lanes, from the moments it
+        began, started work, had its inputs, had its tokens, and ended."""
+        step_start, start, prepared, computed, end = moments
         log.record_phases(schedule=start - step_start, prepare=prepared - start, forward=computed - prepared,
                           sample=end - computed)
         log.record_host_device(end - step_start - device, device)
         for lane, stretch in (("host", (step_start, prepared)), ("device", (prepared, computed)), ("host", (computed, end))):
             log.record_lane(lane, *(moment - self.run_start for moment in stretch))
-        log.record_kv_tokens(sum(step_batch.context_lens))
-        self.progress.update(len(emitting))
-        return end - step_start
 
     def _rows(self, state: SchedulerState, batch: Batch) -> list[tuple[Request, int]]:
         """(request, tokens) per row: the batch's, then any finished request kept as padding."""
