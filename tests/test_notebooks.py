@@ -4,6 +4,7 @@ nbval (run by `make test` on notebooks/) checks that their outputs are reproduce
 """
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -32,3 +33,19 @@ def test_notebook_cells_were_executed_top_to_bottom(path):
     cells = [c for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code"]
     counts = [c["execution_count"] for c in cells]
     assert counts == list(range(1, len(cells) + 1)), "re-run the notebook top to bottom before committing"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebook_cells_keep_no_run_timestamps(path):
+    stamped = [i for i, c in enumerate(json.loads(path.read_text())["cells"]) if "execution" in c["metadata"]]
+    assert not stamped, f"cells {stamped} keep metadata.execution: run tools/run_notebooks.py, which strips it"
+
+
+def test_the_30_second_model_answer_fits_30_seconds():
+    """About 80 words, spoken in 30 seconds, with the source text's three beats."""
+    summary = json.loads(NOTEBOOKS[-1].read_text())
+    answer = next("".join(c["source"]) for c in summary["cells"] if "<b>Model answer</b>" in "".join(c["source"]))
+    body = re.sub(r"<[^>]+>|\*\*", " ", answer.split("</summary>", 1)[1].split("</details>")[0])
+    assert len(body.split()) <= 90
+    for beat in ("79%", "flattened", "per sequence", "KV memory", "prefill"):
+        assert beat in body

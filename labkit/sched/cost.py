@@ -69,6 +69,18 @@ class CostModel:
         shown = [f.name for f in fields(self) if f.name in DEVICE_TERMS or getattr(self, f.name) != f.default]
         return f"CostModel({', '.join(f'{name}={getattr(self, name)!r}' for name in shown)})"
 
+    def __str__(self) -> str:
+        """The coefficients in readable units, three significant digits."""
+        device = (f"device {_ms(self.overhead)} a step + {_ms(self.per_prefill_token)} a prompt token + "
+                  f"{_ms(self.per_decode_token)} a decode token + {_ms(self.per_kv_token)} a KV token read")
+        if not self.has_host_terms and not self.overlap:
+            return f"CostModel: {device}"
+        host = (f"host {_ms(self.host_overhead)} a step + {_ms(self.host_per_request)} a request + "
+                f"{_ms(self.host_per_token)} a token")
+        how = (f"overlapped: max(host, device) + {_ms(self.overlap_exposed)}" if self.overlap
+               else "taking turns: host + device")
+        return f"CostModel: {device};\n           {host};\n           {how}"
+
     @cached_property
     def has_host_terms(self) -> bool:
         return any(getattr(self, name) for name in HOST_TERMS)
@@ -216,6 +228,15 @@ class CostFit:
             f"CostModel fit on {self.num_train} steps, held-out error {self.relative_error:.1%} "
             f"over {self.num_test} steps (MAE {self.mean_abs_error * 1e3:.2f} ms, R² {self.r2:.2f})"
         )
+
+
+def _ms(seconds: float) -> str:
+    """Seconds as ms or µs, three significant digits: 0.00144 -> '1.44 ms', 7.19e-05 -> '71.9 µs'."""
+    if seconds == 0:
+        return "0"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.3g} ms"
+    return f"{seconds * 1e6:.3g} µs"
 
 
 def _device_columns(prefill: np.ndarray, decode: np.ndarray, kv: np.ndarray) -> np.ndarray:
