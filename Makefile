@@ -1,4 +1,5 @@
 # Two commands: `make lab` sets up .venv and opens the lessons; `make test` runs every check.
+# notebooks/ holds the student copies (exercises unsolved); solutions/ the instructor copies.
 PYTHON ?= python3
 # A bare torch requirement may pull a CUDA build of several GB; CI passes TORCH=torch==2.13.0 (a CPU build).
 TORCH ?= torch>=2.2
@@ -6,7 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: lab test bench notebooks student present clean
+.PHONY: lab teach test bench notebooks student present clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -20,10 +21,15 @@ $(STAMP): $(PY) pyproject.toml
 lab: $(STAMP)
 	$(VENV)/bin/jupyter lab notebooks/
 
+# The instructor copies: every exercise solved, every check-yourself answered.
+teach: $(STAMP)
+	$(VENV)/bin/jupyter lab solutions/
+
+# Unit and property tests, the instructor copies under strict nbval, then the student copies
+# run top to bottom (their answers unsolved, so outputs are not compared).
 test: $(STAMP)
 	$(PY) -m pytest
-	$(PY) tools/make_student.py
-	$(PY) -m pytest --nbval-lax build/student
+	$(PY) -m pytest --nbval-lax notebooks/
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_simulate.py
@@ -31,10 +37,12 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_peers.py
 	$(PY) benchmarks/bench_host.py
 
+# After editing a lesson in solutions/: execute the instructor copies, then write the student copies.
 notebooks: $(STAMP)
 	$(PY) tools/run_notebooks.py
+	$(PY) tools/make_student.py
 
-# Student edition: lessons with their solution regions removed, in build/student/.
+# The student copies (notebooks/) from the instructor copies (solutions/), without executing.
 student: $(STAMP)
 	$(PY) tools/make_student.py
 

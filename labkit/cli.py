@@ -18,6 +18,7 @@ import argparse
 import csv
 import math
 import sys
+from pathlib import Path
 
 import numpy as np
 
@@ -44,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2
+    if args.command == "export-html":
+        return export_html(args, parser)
     return demo(args, demo_parser)
 
 
@@ -101,7 +104,27 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         "--seed", type=_whole_number(0), default=0, help="seed for the sampled trace and the model (default 0)"
     )
     demo_parser.add_argument("--no-progress", action="store_true", help="hide the engine's progress bars")
+    export_parser = commands.add_parser(
+        "export-html", help="write a lesson as one HTML page whose figures play with no network",
+        description="Export NOTEBOOK to OUTPUT as `jupyter nbconvert --to html` does, with plotly.js inlined once.",
+    )
+    export_parser.add_argument("notebook", help="the lesson, e.g. notebooks/01_static_vs_continuous.ipynb")
+    export_parser.add_argument("output", help="the HTML file to write")
     return parser, demo_parser
+
+
+def export_html(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """Write the offline HTML export `args` ask for; a missing or figure-less notebook ends in an error."""
+    from labkit.viz.animation import export_offline_html
+
+    if not Path(args.notebook).is_file():
+        parser.error(f"argument notebook: {args.notebook!r} is not a file")
+    try:
+        target = export_offline_html(args.notebook, args.output)
+    except (OSError, ValueError) as error:
+        parser.error(f"argument notebook: {error}")
+    print(f"wrote {target} ({target.stat().st_size / 1e6:.1f} MB)")
+    return 0
 
 
 def demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

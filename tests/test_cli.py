@@ -2,10 +2,12 @@
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from labkit.cli import main
+from labkit.viz.animation import PLOTLY_CDN_SCRIPT
 
 TOY = ["demo", "--trace", "toy", "--slots", "2", "--no-progress", "--device", "cpu", "--threads", "1"]
 
@@ -134,3 +136,19 @@ def test_python_dash_m_runs_the_toy_demo():
     rows = table_rows(result.stdout)
     assert list(rows) == ["static", "continuous"]
     assert (rows["static"][0], rows["continuous"][0]) == ("23", "17")
+
+
+@pytest.mark.filterwarnings("ignore:Your element with mimetype.*vnd.plotly:UserWarning")
+def test_export_html_writes_a_page_with_plotly_inside(tmp_path, capsys):
+    target = tmp_path / "lesson01.html"
+    lesson = Path(__file__).resolve().parents[1] / "notebooks" / "01_static_vs_continuous.ipynb"
+    assert main(["export-html", str(lesson), str(target)]) == 0
+    assert f"wrote {target}" in capsys.readouterr().out
+    assert not PLOTLY_CDN_SCRIPT.search(target.read_text(encoding="utf-8"))  # plotly.js is inside instead
+
+
+def test_export_html_names_a_missing_notebook(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["export-html", str(tmp_path / "nope.ipynb"), str(tmp_path / "out.html")])
+    assert exit_info.value.code == 2
+    assert "argument notebook: " in (err := capsys.readouterr().err) and "nope.ipynb' is not a file" in err

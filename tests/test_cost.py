@@ -327,8 +327,8 @@ def test_a_log_without_host_time_says_so():
 
 
 def test_str_gives_readable_units():
-    assert str(CostModel()) == ("CostModel: device 3 ms a step + 100 µs a prompt token + 300 µs a decode token "
-                                "+ 0.2 µs a KV token read")
+    assert str(CostModel()) == ("CostModel: device 3 ms/step + 100 µs/prompt token + 300 µs/decode token "
+                                "+ 0.2 µs/KV token read")
     lines = str(OVERLAPPED).splitlines()
-    assert lines[1].strip() == "host 500 µs a step + 100 µs a request + 2 µs a token;"
+    assert lines[1].strip() == "host 500 µs/step + 100 µs/request + 2 µs/token;"
     assert lines[2].strip() == "overlapped: max(host, device) + 100 µs"

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import labkit as lk
 from labkit.exercises import PolicyError, as_policy, q1, q2, q3, q4, q5, q6
-from labkit.exercises.feedback import CORRECT, INCORRECT, NOT_ATTEMPTED, Verdict
+from labkit.exercises.feedback import CORRECT, INCORRECT, NOT_ATTEMPTED, WIDTH, Verdict, wrap
 from labkit.exercises.policy import admit_newest_first, grading_cases, refill_a_step_late
 from labkit.exercises.predict import IterationCounts
 
@@ -247,8 +247,22 @@ def test_no_refill_function_makes_the_grader_raise(refill):
 
 def test_check_prints_the_verdict_and_returns_it(capsys):
     verdict = q1.check(q1.expected())
-    assert capsys.readouterr().out == f"{verdict}\n"
+    assert capsys.readouterr().out == f"{wrap(str(verdict))}\n"
     assert str(verdict).startswith("✅ Correct.")
+
+
+def test_long_verdicts_and_hints_print_within_the_width(capsys):
+    verdict = q6.check(admit_newest_first)
+    assert len(str(verdict)) > 2 * WIDTH  # negative control: unwrapped, it would not fit
+    q6.hint()
+    printed = capsys.readouterr().out.splitlines()
+    assert len(printed) > 4 and max(map(len, printed)) <= WIDTH
+    assert " ".join(printed).startswith(f"{verdict} 💡 ")  # wrapping breaks lines, loses no word
+
+
+def test_wrap_keeps_lines_and_never_splits_a_word():
+    long_name = "lk.metrics.percentile(lk.metrics.itl(lk.simulate(q5.trace,q5.policy(budget))),99)" * 2
+    assert wrap(f"a\n{long_name} b") == f"a\n{long_name}\nb"
 
 
 @pytest.mark.parametrize("stub", [None, ..., (None, None), [..., ...]], ids=repr)

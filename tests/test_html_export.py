@@ -1,6 +1,8 @@
-"""Lesson 01 exported to HTML, as nbviewer renders it, still carries its kernel-free animation.
+"""Lesson 01 exported to HTML, as nbviewer renders it, still carries its kernel-free animation;
+the offline export also carries plotly.js, so the animation plays with no network.
 
-tests/test_browser.py plays the same export in Chromium.
+tests/test_browser.py plays the plain export in Chromium, with plotly.js served locally; the
+last test here plays the offline export with every request refused.
 """
 
 import json
@@ -9,8 +11,13 @@ from pathlib import Path
 
 import pytest
 from nbconvert import HTMLExporter
+from plotly.offline import get_plotlyjs
 
-LESSON = Path(__file__).resolve().parents[1] / "notebooks" / "01_static_vs_continuous.ipynb"
+from labkit.viz.animation import export_offline_html
+
+NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+LESSON = NOTEBOOKS / "01_static_vs_continuous.ipynb"
+CHROMIUM = Path("/usr/bin/chromium")
 # The lesson's other figures carry plotly's mime type only, which nbconvert cannot draw.
 IGNORE_UNDRAWN_PLOTLY = pytest.mark.filterwarnings("ignore:Your element with mimetype.*vnd.plotly:UserWarning")
 pytestmark = IGNORE_UNDRAWN_PLOTLY
@@ -33,7 +40,12 @@ def html():
     return export_html()
 
 
-def test_the_export_loads_plotly_js(html):
+@pytest.fixture(scope="module")
+def offline(tmp_path_factory):
+    return export_offline_html(LESSON, tmp_path_factory.mktemp("offline") / "lesson01.html")
+
+
+def test_a_plain_export_loads_plotly_js_from_its_cdn(html):
     assert PLOTLY_SCRIPT.search(html)
 
 
@@ -50,3 +62,42 @@ def test_the_export_has_the_slider_and_the_play_button(html):
     figure_call = html[: html.index("Plotly.addFrames")]
     assert '"sliders":[{"active":23' in figure_call
     assert '"label":"\\u25b6","method":"animate"' in figure_call
+
+
+def test_the_offline_export_holds_plotly_js_once_and_no_cdn_tag_for_it(offline, html):
+    page = offline.read_text(encoding="utf-8")
+    assert not PLOTLY_SCRIPT.search(page)
+    assert page.count(get_plotlyjs()) == 1
+    (tag,) = re.findall(PLOTLY_SCRIPT.pattern + r"[^>]*></script>", html)
+    assert page == html.replace(tag, f"<script>{get_plotlyjs()}</script>")  # nothing else changed
+    assert added_frames(page) == added_frames(html)
+
+
+def test_a_notebook_with_nothing_to_inline_is_refused(tmp_path):
+    lesson_02 = NOTEBOOKS / "02_how_much_it_buys.ipynb"  # plotly mime outputs only, no CDN tag
+    with pytest.raises(ValueError, match="02_how_much_it_buys.ipynb.*no output loads plotly.js"):
+        export_offline_html(lesson_02, tmp_path / "lesson02.html")
+    assert not (tmp_path / "lesson02.html").exists()
+
+
+@pytest.mark.browser
+@pytest.mark.skipif(not CHROMIUM.exists(), reason=f"no Chromium at {CHROMIUM}: apt-get install -y chromium")
+def test_the_offline_export_plays_with_every_request_refused(offline, html, tmp_path):
+    sync_api = pytest.importorskip("playwright.sync_api", reason="Playwright for Python is not installed")
+    plain = tmp_path / "plain.html"
+    plain.write_text(html, encoding="utf-8")
+    refused = []
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=["--no-sandbox", "--disable-gpu"])
+        page = browser.new_page()
+        page.route(re.compile(r"^https?://"), lambda route: (refused.append(route.request.url), route.abort()))
+        page.goto(plain.as_uri())
+        assert page.evaluate("typeof window.Plotly") == "undefined"  # negative control: the plain export can't
+        page.goto(offline.as_uri())
+        titles = page.locator(".js-plotly-plot:has(.slider-container) .annotation-text")
+        sync_api.expect(titles.first).to_contain_text("step 23 of 23", timeout=60_000)
+        page.locator(".updatemenu-button").first.click()  # ▶
+        sync_api.expect(titles.first).to_contain_text("step 3 of 23", timeout=60_000)
+        browser.close()
+    assert any("plot.ly" in url for url in refused), "the plain export asks the CDN"
+    assert len([url for url in refused if "plot.ly" in url]) == 1, "the offline export must not"

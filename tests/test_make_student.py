@@ -1,7 +1,9 @@
-"""The student edition: solution regions go, stubs stay, and the copy runs with every
-check saying "not attempted"."""
+"""The student edition: solution regions go, stubs stay, the copy runs with every check
+saying "not attempted", and the committed copies in notebooks/ are exactly what
+tools/make_student.py writes from solutions/."""
 
 import importlib.util
+import json
 from pathlib import Path
 
 import nbformat
@@ -9,7 +11,8 @@ import pytest
 from nbclient import NotebookClient
 
 ROOT = Path(__file__).resolve().parents[1]
-EXERCISES = ROOT / "notebooks" / "06_exercises.ipynb"
+SOLUTIONS = sorted((ROOT / "solutions").glob("*.ipynb"))
+EXERCISES = ROOT / "solutions" / "06_exercises.ipynb"
 _spec = importlib.util.spec_from_file_location("make_student", ROOT / "tools" / "make_student.py")
 make_student = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(make_student)
@@ -72,20 +75,42 @@ def test_the_student_copy_of_06_has_stubs_and_no_solutions(lessons):
     assert "answer = None" in student.cells[solved[0]].source
     assert "answer = (18, 12)" not in student.cells[solved[0]].source
     assert "waiting_head" not in student.cells[solved[-1]].source
-    code = [cell for cell in student.cells if cell.cell_type == "code"]
-    assert all(cell.outputs == [] and cell.execution_count is None for cell in code)
+    for index, cell in enumerate(student.cells):  # an answer's output goes; every other output stays
+        if cell.cell_type == "code":
+            cleared = index in solved
+            assert (cell.outputs == [] and cell.execution_count is None) == cleared
+            assert cleared or cell.outputs == instructor.cells[index].outputs
     assert [c.source for c in student.cells if c.cell_type == "markdown"] == [
         c.source for c in instructor.cells if c.cell_type == "markdown"]
 
 
-def test_make_student_writes_a_copy_of_each_lesson_with_solutions_and_drops_stale_ones(tmp_path, monkeypatch):
+def test_make_student_writes_a_copy_of_every_lesson_and_drops_stale_ones(tmp_path, monkeypatch):
     monkeypatch.setattr(make_student, "STUDENT_DIR", tmp_path)
     (tmp_path / "renamed_lesson.ipynb").write_text("{}")
     make_student.main([])
-    assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "01_static_vs_continuous.ipynb", "02_how_much_it_buys.ipynb", "04_kv_memory_and_preemption.ipynb",
-        "05_chunked_prefill_and_latency.ipynb", "06_exercises.ipynb", "07_when_the_cpu_shows.ipynb",
-    ]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in SOLUTIONS)
+
+
+@pytest.mark.parametrize("solution", SOLUTIONS, ids=lambda p: p.name)
+def test_the_committed_student_copy_is_what_make_student_writes(solution):
+    """What a learner opens (notebooks/) follows the instructor copy: after editing a lesson in
+    solutions/, run `make notebooks` (or tools/make_student.py)."""
+    expected = make_student.student_copy(nbformat.read(solution, as_version=4))
+    assert nbformat.read(ROOT / "notebooks" / solution.name, as_version=4) == expected
+
+
+def test_a_stale_student_copy_is_caught(lessons):
+    """Negative control: a student copy of an older instructor copy is not the one make_student writes."""
+    instructor, _ = lessons
+    older = make_student.student_copy(instructor)
+    older.cells[0].source += "\nAn edit the student copy never got."
+    assert older != make_student.student_copy(instructor)
+
+
+def test_no_student_copy_shows_a_verdict():
+    for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        outputs = json.dumps([c.get("outputs", []) for c in json.loads(path.read_text())["cells"]])
+        assert "✅" not in outputs, f"{path.name} shows a solved check"
 
 
 def test_the_student_copy_of_06_runs_and_every_check_says_not_attempted(lessons):

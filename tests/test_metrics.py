@@ -45,6 +45,23 @@ def test_summary_and_table(toy_continuous):
     assert "94.118" in text
 
 
+def test_latency_table_has_one_row_per_run_with_the_summary_s_numbers():
+    toy = lk.Trace.toy()
+    logs = {policy: lk.simulate(toy, cls(num_slots=2), step_time=0.01)
+            for policy, cls in (("continuous", lk.Continuous), ("static", lk.Static))}
+    # continuous: TTFT [1, 1, 3, 6, 7, 9, 13, 14] steps, every gap one 10 ms step, 32 tokens in 17 steps
+    assert metrics.latency_table(logs, label="policy").splitlines() == [
+        "policy      TTFT p50 (s)  TTFT p99 (s)  ITL p50 (ms)  ITL p99 (ms)  TPOT mean (ms)  tokens/s",
+        "continuous         0.065         0.139          10.0          10.0            10.0       188",
+        "static             0.110         0.190          10.0          10.0            10.0       139",
+    ]
+
+
+def test_latency_table_of_no_runs_says_so():
+    with pytest.raises(ValueError, match=r"logs = \{\}"):
+        metrics.latency_table({})
+
+
 def test_goodput_counts_requests_that_meet_every_slo(toy_continuous):
     # step_time 1: TTFT [1, 1, 3, 6, 7, 9, 13, 14], latency [2, 6, 5, 13, 8, 12, 17, 15], TPOT 1 each
     assert metrics.meets_slos(toy_continuous, ttft=6).tolist() == [True] * 4 + [False] * 4

@@ -84,6 +84,20 @@ def test_slot_diagram_axes_and_default_title(toy_logs):
     assert slot_diagram(toy_logs["static"], title="mine").layout.title.text == "mine"
 
 
+def test_diagrams_of_different_lengths_can_share_a_step_axis(toy_logs):
+    continuous = toy_logs["continuous"]
+    assert tuple(slot_diagram(continuous).layout.xaxis.range) == (0, 17)
+    shared = slot_diagram(continuous, num_steps=23)
+    assert tuple(shared.layout.xaxis.range) == (0, 23)
+    assert bars(shared) == bars(slot_diagram(continuous))
+
+
+@pytest.mark.parametrize("num_steps", [16, 2.5, True])
+def test_a_step_axis_shorter_than_the_log_or_not_whole_is_refused(toy_logs, num_steps):
+    with pytest.raises(ValueError, match=rf"num_steps = {num_steps!r}: must be a whole number >= the log's 17 steps"):
+        slot_diagram(toy_logs["continuous"], num_steps=num_steps)
+
+
 def test_long_logs_draw_runs_not_cells():
     log = lk.simulate(lk.Trace.sample(500, mean_output=32, seed=0), lk.Continuous(num_slots=16))
     assert log.num_steps > 500
@@ -118,11 +132,21 @@ def test_harmonic_curves_theory_line_and_seed_points():
     assert list(seeds.text) == ["B=8: 36.8%", "B=32: 24.6%", "B=64: 21.1%"]
 
 
-def test_harmonic_curves_optional_traces():
-    monte_carlo = {b: lk.theory.monte_carlo("exponential", b, num_batches=2_000).pooled[-1] for b in (4, 16)}
-    fig = harmonic_curves(monte_carlo=monte_carlo, seeds=(), curves={"uniform": {1: 1.0, 4: 0.6}})
-    assert [trace.name for trace in fig.data] == ["theory: 1/H_B", "uniform", "Monte Carlo"]
-    np.testing.assert_allclose(fig.data[2].y, lk.theory.exponential_utilization(np.array([4, 16])), rtol=0.05)
+def test_harmonic_curves_optional_traces_with_the_simulated_points_on_top():
+    simulated = {b: lk.simulate(lk.Trace.sample(b * 200, mean_output=64, seed=b), lk.Static(num_slots=b)).utilization
+                 for b in (4, 16)}
+    fig = harmonic_curves(simulated=simulated, curves={"uniform": {1: 1.0, 4: 0.6}})
+    assert [trace.name for trace in fig.data] == [
+        "exponential: 1/H_B", "uniform", "1/H_B at B = 8, 32, 64", "simulated static batching, exponential"
+    ]
+    np.testing.assert_allclose(fig.data[-1].y, lk.theory.exponential_utilization(np.array([4, 16])), rtol=0.05)
+    assert fig.data[2].marker.symbol == "circle-open", "a filled seed marker would hide a simulated point"
+
+
+def test_harmonic_curves_use_a_log_axis_ticked_at_powers_of_two():
+    assert harmonic_curves().layout.xaxis.type == "log"
+    assert list(harmonic_curves().layout.xaxis.tickvals) == [1, 2, 4, 8, 16, 32, 64]
+    assert list(harmonic_curves(batch_sizes=range(3, 20)).layout.xaxis.tickvals) == [4, 8, 16]
 
 
 # Stepper ---------------------------------------------------------------------------------------

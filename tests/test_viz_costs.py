@@ -14,11 +14,16 @@ def test_step_time_curve_against_batch_size_adds_time_per_token():
     assert list(fig.data[0].y) == pytest.approx([2, 4, 10])
     assert list(fig.data[3].y) == pytest.approx([2, 5 / 8, 16 / 32])
     assert fig.data[0].line.color == fig.data[1].line.color != fig.data[2].line.color
+    assert [t.yaxis for t in fig.data] == ["y", "y2", "y", "y2"]  # per token in a panel of its own, below
+    assert fig.layout.xaxis2.title.text.startswith("batch size") and fig.layout.yaxis2.title.text == "ms per token"
+    assert fig.layout.xaxis.type == fig.layout.xaxis2.type == "log"
 
 
 def test_step_time_curve_against_context_has_no_per_token_curve():
     fig = lk.viz.step_time_curve({"B = 8": {128: 0.004, 1024: 0.013}}, against="context")
     assert [t.name for t in fig.data] == ["B = 8: ms per step"]
+    assert "yaxis2" not in fig.layout
+    assert fig.layout.xaxis.type != "log"  # proportional growth draws as a straight line
     assert fig.layout.xaxis.title.text.startswith("context")
 
 

@@ -7,7 +7,10 @@ import pytest
 import labkit as lk
 from labkit.viz.latency import (
     TradeoffPoint,
+    dominates,
+    dominators,
     goodput_bars,
+    label_positions,
     latency_tradeoff,
     pareto_optimal,
     step_times,
@@ -15,6 +18,7 @@ from labkit.viz.latency import (
 )
 
 COST = lk.CostModel(overhead=2e-3, per_prefill_token=1e-4, per_decode_token=5e-4, per_kv_token=0.0)
+SLOWER = lk.CostModel(overhead=4e-3, per_prefill_token=2e-4, per_decode_token=1e-3, per_kv_token=0.0)  # COST, doubled
 
 
 @pytest.fixture(scope="module")
@@ -30,28 +34,41 @@ def spike_logs():
 # step_times ---------------------------------------------------------------------------------
 
 
-def test_step_times_draws_every_step_in_milliseconds(spike_logs):
+def drawn_steps(trace) -> list[tuple[float, float, float]]:
+    """(from x, to x, height) of each flat stretch of a line drawn with line_shape "hv"."""
+    x, y = list(trace.x), list(trace.y)
+    return [(x[k], x[k + 1], y[k]) for k in range(len(x) - 1) if x[k] is not None and x[k + 1] is not None]
+
+
+def test_step_times_draws_each_step_flat_over_its_own_duration(spike_logs):
     fig = step_times(spike_logs)
     assert [trace.name for trace in fig.data] == ["whole", "chunked"]
     for trace, log in zip(fig.data, spike_logs.values()):
-        assert len(trace.y) == log.num_steps
-        np.testing.assert_allclose(trace.y, 1000 * log.step_seconds)
-        np.testing.assert_allclose(trace.x, log.step_start)
-        assert list(trace.customdata) == log.num_prefill_tokens.tolist()
+        assert trace.line.shape == "hv"
+        expected = np.column_stack([log.step_start, log.step_end, 1000 * log.step_seconds])
+        np.testing.assert_allclose(drawn_steps(trace), expected)
 
 
 def test_the_whole_prompt_step_is_the_tallest_and_priced_by_the_cost_model(spike_logs):
     whole, chunked = step_times(spike_logs).data
     # 601 prompt tokens and 3 decodes: 2 ms + 601 * 0.1 ms + 3 * 0.5 ms
-    assert max(whole.y) == pytest.approx(2 + 60.1 + 1.5)
+    assert max(y for y in whole.y if y is not None) == pytest.approx(2 + 60.1 + 1.5)
     # a chunk: 125 prompt tokens beside 3 decodes, within the 128-token budget
-    assert max(chunked.y) == pytest.approx(2 + 12.5 + 1.5)
+    assert max(y for y in chunked.y if y is not None) == pytest.approx(2 + 12.5 + 1.5)
 
 
 def test_step_times_measures_from_the_first_arrival():
     trace = lk.Trace.from_lengths([3], arrivals=[5.0])
     fig = step_times({"late": lk.simulate(trace, lk.Continuous(num_slots=1), step_time=0.01)})
-    np.testing.assert_allclose(fig.data[0].x, [0.0, 0.01, 0.02])
+    np.testing.assert_allclose(drawn_steps(fig.data[0]), [(0.0, 0.01, 10), (0.01, 0.02, 10), (0.02, 0.03, 10)])
+
+
+def test_step_times_breaks_the_line_where_the_run_idles():
+    """Two requests 1 s apart: no stretch of the line covers the idle second."""
+    trace = lk.Trace.from_lengths([2, 2], arrivals=[0.0, 1.0])
+    (line,) = step_times({"gap": lk.simulate(trace, lk.Continuous(num_slots=1), step_time=0.01)}).data
+    np.testing.assert_allclose(drawn_steps(line), [(0.0, 0.01, 10), (0.01, 0.02, 10), (1.0, 1.01, 10), (1.01, 1.02, 10)])
+    assert list(line.x).count(None) == 2 and list(line.customdata).count(None) == 2
 
 
 # tradeoff_point and pareto_optimal -----------------------------------------------------------
@@ -85,6 +102,24 @@ def test_pareto_optimal(points, expected):
     assert pareto_optimal(points).tolist() == expected
 
 
+def test_differences_within_the_tolerance_are_ties():
+    """Lesson 05's sweep: 2,048 beats whole prompts on ITL p99 by 0.0006 ms, and loses on TTFT by 2%."""
+    whole, budget_2048 = TradeoffPoint(151.1006, 0.682, 438.0), TradeoffPoint(151.1000, 0.697, 438.0)
+    assert pareto_optimal([whole, budget_2048]).tolist() == [True, False]
+    assert dominates([whole, budget_2048]).tolist() == [[False, True], [False, False]]
+    assert pareto_optimal([whole, budget_2048], rtol=0).tolist() == [True, True]  # without it, a "trade-off"
+
+
+def test_a_bad_tolerance_is_refused():
+    with pytest.raises(ValueError, match="rtol = -0.1"):
+        pareto_optimal([TradeoffPoint(10, 1.0, 100)], rtol=-0.1)
+
+
+def test_dominators_name_the_runs_that_dominate_each_run(spike_logs):
+    logs = {**spike_logs, "slower": lk.simulate(spike_logs["whole"].trace, lk.Continuous(num_slots=4), cost=SLOWER)}
+    assert dominators(logs) == {"whole": [], "chunked": [], "slower": ["whole", "chunked"]}
+
+
 def test_pareto_optimal_of_nothing_is_empty():
     assert pareto_optimal([]).tolist() == []
 
@@ -92,25 +127,53 @@ def test_pareto_optimal_of_nothing_is_empty():
 # latency_tradeoff ---------------------------------------------------------------------------
 
 
+def by_name(fig) -> dict:
+    """Each run's (trace name, x, y, throughput, symbol) as the figure draws it."""
+    return {text: (trace.name, x, y, throughput, trace.marker.symbol)
+            for trace in fig.data for text, x, y, throughput in zip(trace.text, trace.x, trace.y, trace.customdata)}
+
+
 def test_latency_tradeoff_places_each_run_and_opens_the_dominated(spike_logs):
-    logs = {**spike_logs, "slow": lk.simulate(spike_logs["whole"].trace, lk.Continuous(num_slots=1), cost=COST)}
+    logs = {**spike_logs, "slower": lk.simulate(spike_logs["whole"].trace, lk.Continuous(num_slots=4), cost=SLOWER),
+            "one slot": lk.simulate(spike_logs["whole"].trace, lk.Continuous(num_slots=1), cost=COST)}
     fig = latency_tradeoff(logs, q=99)
-    (scatter,) = fig.data
-    assert list(scatter.text) == ["whole", "chunked", "slow"]
-    points = [tradeoff_point(log, 99) for log in logs.values()]
-    np.testing.assert_allclose(scatter.x, [p.itl_ms for p in points])
-    np.testing.assert_allclose(scatter.y, [p.ttft_s for p in points])
-    np.testing.assert_allclose(scatter.marker.color, [p.tokens_per_second for p in points])
-    expected = ["circle" if optimal else "circle-open" for optimal in pareto_optimal(points)]
-    assert list(scatter.marker.symbol) == expected
+    assert [trace.name for trace in fig.data] == ["Pareto-optimal", "dominated (ties within 1%)"]
+    drawn = by_name(fig)
+    assert sorted(drawn) == sorted(logs) and drawn["slower"][0].startswith("dominated")
+    for (name, log), optimal in zip(logs.items(), pareto_optimal([tradeoff_point(log, 99) for log in logs.values()])):
+        point = tradeoff_point(log, 99)
+        kind, x, y, throughput, symbol = drawn[name]
+        assert (x, y, throughput) == pytest.approx(point)
+        assert (kind, symbol) == (("Pareto-optimal", "circle") if optimal else ("dominated (ties within 1%)", "circle-open"))
+    (optimal_trace, _) = fig.data
+    np.testing.assert_allclose(optimal_trace.marker.color, [tradeoff_point(logs[n], 99).tokens_per_second
+                                                           for n in optimal_trace.text])
     assert fig.layout.xaxis.title.text == "ITL p99 (ms)"
     assert fig.layout.yaxis.title.text == "TTFT p99 (s)"
 
 
-def test_the_same_schedule_on_a_slower_machine_is_dominated(spike_logs):
-    slower = lk.CostModel(overhead=4e-3, per_prefill_token=2e-4, per_decode_token=1e-3, per_kv_token=0.0)
-    logs = {**spike_logs, "slower": lk.simulate(spike_logs["whole"].trace, lk.Continuous(num_slots=4), cost=slower)}
-    assert list(latency_tradeoff(logs).data[0].marker.symbol)[2] == "circle-open"
+def test_throughput_within_the_tolerance_gets_no_colour_scale():
+    """The same schedule 0.5% slower: a colour bar would present noise as signal."""
+    trace = lk.Trace.from_lengths([20, 20, 20, 4], prompt_lengths=[4, 4, 4, 600], arrivals=[0, 0, 0, 0.01])
+    logs = {name: lk.simulate(trace, lk.Continuous(num_slots=4), cost=lk.CostModel(overhead=overhead))
+            for name, overhead in (("a", 3e-3), ("b", 3.015e-3))}
+    fig = latency_tradeoff(logs, title="t")
+    assert all(trace.marker.colorbar.title.text is None for trace in fig.data)
+    assert "no colour for it" in fig.layout.title.text
+    coloured = latency_tradeoff(logs, title="t", rtol=0.001)  # negative control: a finer tolerance colours
+    assert coloured.data[0].marker.colorbar.title.text == "tokens/s"
+
+
+def test_nearby_points_get_labels_on_different_sides():
+    # lesson 05: whole prompts and a budget of 2,048 nearly coincide; 64 is far from both
+    assert label_positions([151.1, 12.4, 151.1], [0.682, 5.05, 0.697]) == ["top center", "top center", "bottom center"]
+    assert label_positions([10, 10, 10], [1, 1, 1]) == ["top center", "bottom center", "middle right"]
+    assert label_positions([10, 100], [1, 1]) == ["top center", "top center"]
+
+
+def test_latency_tradeoff_of_no_runs_says_so():
+    with pytest.raises(ValueError, match=r"logs = \{\}"):
+        latency_tradeoff({})
 
 
 # goodput_bars -------------------------------------------------------------------------------

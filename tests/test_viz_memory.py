@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import labkit as lk
-from labkit.viz.memory import pool_sweep, pool_usage, preemption_steps, running_requests
+from labkit.viz.memory import idle_beside_queue, pool_sweep, pool_usage, preemption_steps, running_requests
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +106,32 @@ def test_running_requests_counts_busy_slots(tight, roomy):
     assert list(fig.data[1].y)[:-1] == (roomy.slots >= 0).sum(axis=1).tolist()
 
 
+# idle_beside_queue --------------------------------------------------------------------------
+
+
+def test_idle_beside_queue_shades_exactly_the_idle_slots_beside_a_queue(tight):
+    fig = idle_beside_queue(tight)
+    shade, running, waiting = fig.data
+    assert list(shade.x) == [5.5, 6.5, 7.5, 9.5]  # steps 10 and 11 idle two slots too, but nobody waits
+    assert list(shade.base) == [2, 2, 2, 1] and list(shade.y) == [1, 1, 1, 2]
+    assert shade.name == "idle slots beside a queue: no_blocks (5 slot-steps)"
+    assert list(running.y)[:-1] == (tight.slots >= 0).sum(axis=1).tolist()
+    assert list(waiting.y)[:-1] == tight.num_queued.tolist()
+    assert [shape.y0 for shape in fig.layout.shapes] == [3]
+
+
+def test_idle_beside_queue_shades_one_series_per_reason():
+    trace = lk.Trace.from_lengths([6, 6, 6], prompt_lengths=[30, 30, 30])
+    log = lk.simulate(trace, lk.Continuous(num_slots=3, num_blocks=9, block_size=8, max_tokens_per_step=40))
+    by_reason = {bars.name: list(bars.x) for bars in idle_beside_queue(log).data[:-2]}
+    assert by_reason == {"idle slots beside a queue: no_blocks (9 slot-steps)": [2.5, 3.5, 4.5, 5.5, 9.5],
+                         "idle slots beside a queue: no_budget (5 slot-steps)": [0.5, 1.5, 6.5]}
+
+
+def test_idle_beside_queue_shades_nothing_without_a_limit(roomy):
+    assert [trace.name for trace in idle_beside_queue(roomy).data] == ["running", "waiting"]
+
+
 # pool_sweep ---------------------------------------------------------------------------------
 
 
@@ -118,6 +144,7 @@ def test_pool_sweep_draws_each_series():
     assert list(fig.data[2].hovertext) == ["5 preemptions", "2 preemptions", "0 preemptions"]
     assert [shape.x0 for shape in fig.layout.shapes] == [30, 30]  # one line through both panels
     assert [note.text for note in fig.layout.annotations] == ["peak demand 30"]  # labelled once
+    assert fig.layout.annotations[0].yref.startswith("y2")  # in the lower panel, clear of the throughput lines
 
 
 def test_pool_sweep_without_optional_parts():

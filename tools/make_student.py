@@ -1,12 +1,17 @@
-"""Write the student edition of every lesson that holds solutions.
+"""Write the student edition of every lesson: notebooks/ from the instructor copies in solutions/.
 
-Usage: python tools/make_student.py [notebooks/06_exercises.ipynb ...]   (default: every lesson)
+Usage: python tools/make_student.py [solutions/06_exercises.ipynb ...]   (default: every lesson)
+
+What a learner opens (`make lab`, Binder, a clone) is notebooks/: the lessons with every
+exercise unsolved. The instructor copies in solutions/ are the ones that get edited and
+executed; this script derives the student copies from them, and a test checks that the
+committed copies are exactly what it writes.
 
 In code cells, each region from a `### BEGIN SOLUTION` line to a `### END SOLUTION` line
 (markers on their own lines, as nbgrader writes them) is removed with its markers, so the
-stub before it (`answer = None`) is what the student starts from. Outputs, execution
-counts and widget state are cleared. Copies go to build/student/, which git ignores;
-lessons without a solution region are skipped.
+stub before it (`answer = None`) is what the student starts from, and that cell's output
+and execution count are cleared: it would show the answer. Every other cell keeps its
+output, so a lesson reads with its figures before anything runs. Widget state is dropped.
 """
 
 import copy
@@ -16,7 +21,8 @@ from pathlib import Path
 import nbformat
 
 ROOT = Path(__file__).resolve().parents[1]
-STUDENT_DIR = ROOT / "build" / "student"
+SOLUTIONS_DIR = ROOT / "solutions"
+STUDENT_DIR = ROOT / "notebooks"
 BEGIN = "### BEGIN SOLUTION"
 END = "### END SOLUTION"
 
@@ -44,10 +50,11 @@ def has_solutions(notebook) -> bool:
 
 
 def student_copy(notebook):
-    """A copy of `notebook` without solution regions, outputs, execution counts or widget state."""
+    """A copy of `notebook` without solution regions, the outputs of the cells that held
+    them, or widget state."""
     student = copy.deepcopy(notebook)
     for index, cell in enumerate(student.cells):
-        if cell.cell_type != "code":
+        if cell.cell_type != "code" or BEGIN not in cell.source:
             continue
         try:
             cell.source = strip_solutions(cell.source)
@@ -60,17 +67,16 @@ def student_copy(notebook):
 
 
 def main(paths: list[str]) -> None:
-    lessons = [Path(p) for p in paths] or sorted((ROOT / "notebooks").glob("*.ipynb"))
+    lessons = [Path(p) for p in paths] or sorted(SOLUTIONS_DIR.glob("*.ipynb"))
     STUDENT_DIR.mkdir(parents=True, exist_ok=True)
-    if not paths:  # a lesson that lost its solutions, or was renamed, leaves no stale copy
+    if not paths:  # a lesson that was renamed or removed leaves no stale copy
+        names = {path.name for path in lessons}
         for stale in STUDENT_DIR.glob("*.ipynb"):
-            stale.unlink()
+            if stale.name not in names:
+                stale.unlink()
     for path in lessons:
-        notebook = nbformat.read(path, as_version=4)
-        if not has_solutions(notebook):
-            continue
         try:
-            student = student_copy(notebook)
+            student = student_copy(nbformat.read(path, as_version=4))
         except ValueError as error:
             sys.exit(f"{path}: {error}")
         target = STUDENT_DIR / path.name

@@ -1,6 +1,9 @@
 """Execute lessons in place, top to bottom, and drop widget state before they are committed.
 
-Usage: python tools/run_notebooks.py [notebooks/01_*.ipynb ...]   (default: every lesson)
+Usage: python tools/run_notebooks.py [solutions/01_*.ipynb ...]   (default: every lesson)
+
+It runs the instructor copies in solutions/; `tools/make_student.py` then writes the
+student copies in notebooks/ from them (`make notebooks` does both).
 
 Committed lessons keep outputs and execution counts (nbval compares them) but no
 `metadata.widgets`, which would store megabytes of widget JavaScript. nbstripout removes it
@@ -31,7 +34,7 @@ def run(path: Path) -> float:
 
 
 def main(paths: list[str]) -> None:
-    for path in [Path(p) for p in paths] or sorted((ROOT / "notebooks").glob("*.ipynb")):
+    for path in [Path(p) for p in paths] or sorted((ROOT / "solutions").glob("*.ipynb")):
         print(f"{path.name}: executed in {run(path):.1f} s, {path.stat().st_size / 1000:.0f} KB")
 
 

@@ -6,13 +6,16 @@ Invariants:
   only when the answer is correct;
 - any object, however odd, gets a verdict instead of an exception: a message that says
   what was wrong and shows the value;
-- None and Ellipsis (alone, or filling a tuple or list) read as "not attempted".
+- None and Ellipsis (alone, or filling a tuple or list) read as "not attempted";
+- verdicts and hints are printed wrapped at WIDTH characters, words whole; a Verdict's
+  str() stays one line, so its text can be searched.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+import textwrap
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,6 +25,7 @@ INCORRECT = "incorrect"
 NOT_ATTEMPTED = "not attempted"
 _HEADINGS = {CORRECT: "✅ Correct.", INCORRECT: "❌ Not yet.", NOT_ATTEMPTED: "⏳ Not attempted yet."}
 _MAX_REPR = 60
+WIDTH = 100  # characters per printed line: a notebook's width on a laptop
 
 
 @dataclass(frozen=True)
@@ -67,7 +71,7 @@ class Question:
     def check(self, answer) -> Verdict:
         """Print a verdict on `answer` and return it (truthy only when correct)."""
         verdict = self.verdict(answer)
-        print(verdict)
+        print(wrap(str(verdict)))
         return verdict
 
     def verdict(self, answer) -> Verdict:
@@ -82,7 +86,7 @@ class Question:
             return incorrect(f"could not read {describe(answer)} as {self.answer_format}: {describe_error(error)}")
 
     def hint(self) -> None:
-        print(f"💡 {self.hint_text()}")
+        print(wrap(f"💡 {self.hint_text()}"))
 
     def solution(self) -> None:
         print(self.solution_text())
@@ -95,6 +99,12 @@ class Question:
 
     def solution_text(self) -> str:
         raise NotImplementedError
+
+
+def wrap(text: str) -> str:
+    """Each line of `text` wrapped at WIDTH characters, breaking only between words."""
+    return "\n".join(textwrap.fill(line, WIDTH, break_long_words=False, break_on_hyphens=False)
+                     for line in text.splitlines())
 
 
 def is_unanswered(answer) -> bool:

@@ -71,12 +71,12 @@ class CostModel:
 
     def __str__(self) -> str:
         """The coefficients in readable units, three significant digits."""
-        device = (f"device {_ms(self.overhead)} a step + {_ms(self.per_prefill_token)} a prompt token + "
-                  f"{_ms(self.per_decode_token)} a decode token + {_ms(self.per_kv_token)} a KV token read")
+        device = (f"device {_ms(self.overhead)}/step + {_ms(self.per_prefill_token)}/prompt token + "
+                  f"{_ms(self.per_decode_token)}/decode token + {_ms(self.per_kv_token)}/KV token read")
         if not self.has_host_terms and not self.overlap:
             return f"CostModel: {device}"
-        host = (f"host {_ms(self.host_overhead)} a step + {_ms(self.host_per_request)} a request + "
-                f"{_ms(self.host_per_token)} a token")
+        host = (f"host {_ms(self.host_overhead)}/step + {_ms(self.host_per_request)}/request + "
+                f"{_ms(self.host_per_token)}/token")
         how = (f"overlapped: max(host, device) + {_ms(self.overlap_exposed)}" if self.overlap
                else "taking turns: host + device")
         return f"CostModel: {device};\n           {host};\n           {how}"

@@ -91,6 +91,22 @@ def table(logs: dict[str, StepLog], digits: int = 3) -> str:
     return format_table(["", *rows], [[m, *(_format(rows[name][m], digits) for name in rows)] for m in metrics])
 
 
+LATENCY_COLUMNS = {"TTFT p50 (s)": 3, "TTFT p99 (s)": 3, "ITL p50 (ms)": 1, "ITL p99 (ms)": 1, "TPOT mean (ms)": 1,
+                   "tokens/s": 0}  # summary's name of each column, and its digits
+
+
+def latency_table(logs: dict[str, StepLog], label: str = "run") -> str:
+    """A plain-text table of the latency side of `summary`, one row per run: TTFT and ITL
+    percentiles, mean TPOT and output tokens/s. `label` heads the column of run names."""
+    if not logs:
+        raise ValueError("logs = {}: give at least one run to tabulate")
+    rows = []
+    for name, log in logs.items():
+        values = summary(log)
+        rows.append([name, *(_format(values[column], digits) for column, digits in LATENCY_COLUMNS.items())])
+    return format_table([label, *LATENCY_COLUMNS], rows)
+
+
 def format_table(header: list[str], rows: list[list[str]]) -> str:
     """Plain-text columns: the first left-aligned, the rest right-aligned."""
     cells = [list(header), *rows]

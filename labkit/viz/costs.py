@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import plotly.graph_objects as go
+from plotly.subplots import make_subplots
 
 from labkit.viz.figures import GRID, request_color
 
@@ -16,22 +17,32 @@ PARTS = ("GEMMs", "attention", "other")
 
 
 def step_time_curve(seconds: dict[str, dict[int, float]], against: str = "batch size") -> go.Figure:
-    """Measured step time, one curve per name (an attention layout, say), against batch size or
-    context. Against batch size, each curve's time per token is drawn dashed beside it."""
+    """Measured step time, one curve per name (an attention layout, say), against batch size (on a
+    log axis) or context (on a linear one). Against batch size, a second panel below shows each
+    curve's time per token, on a scale of its own, in the same colour."""
     if against not in AXES:
         raise ValueError(f"against = {against!r}: must be one of {', '.join(AXES)}")
-    fig = go.Figure()
+    per_token = against == "batch size"
+    fig = make_subplots(rows=1 + per_token, cols=1, shared_xaxes=True, vertical_spacing=0.1)
     for i, (name, by_x) in enumerate(seconds.items()):
         x, ms = np.array(list(by_x)), 1000 * np.array(list(by_x.values()))
         color = request_color(i)
-        fig.add_trace(go.Scatter(x=x, y=ms, mode="lines+markers", name=f"{name}: ms per step", line_color=color))
-        if against == "batch size":
+        fig.add_trace(go.Scatter(x=x, y=ms, mode="lines+markers", name=f"{name}: ms per step", line_color=color),
+                      row=1, col=1)
+        if per_token:
             fig.add_trace(go.Scatter(x=x, y=ms / x, mode="lines+markers", name=f"{name}: ms per token",
-                                     line=dict(color=color, dash="dash")))
-    fig.update_layout(title=f"Decode step time against {against}", height=380, plot_bgcolor="white", showlegend=True)
-    fig.update_xaxes(title=AXES[against], type="log", tickvals=sorted({x for by_x in seconds.values() for x in by_x}),
-                     gridcolor=GRID)
-    fig.update_yaxes(title="milliseconds", rangemode="tozero", gridcolor=GRID)
+                                     line=dict(color=color, dash="dash")), row=2, col=1)
+    fig.update_layout(title=f"Decode step time against {against}", height=380 + 160 * per_token,
+                      plot_bgcolor="white", showlegend=True)
+    if per_token:  # batch sizes double: a log axis spaces them evenly
+        fig.update_xaxes(type="log", tickvals=sorted({x for by_x in seconds.values() for x in by_x}))
+    else:  # a linear axis, on which a time proportional to the context is a straight line
+        fig.update_xaxes(rangemode="tozero")
+    fig.update_xaxes(gridcolor=GRID)
+    fig.update_xaxes(title=AXES[against], row=1 + per_token, col=1)
+    fig.update_yaxes(title="ms per step", rangemode="tozero", gridcolor=GRID, row=1, col=1)
+    if per_token:
+        fig.update_yaxes(title="ms per token", rangemode="tozero", gridcolor=GRID, row=2, col=1)
     return fig
 
 

@@ -91,10 +91,18 @@ def _run_bars(log: StepLog) -> go.Bar:
     )
 
 
-def slot_diagram(log: StepLog, title: str | None = None) -> go.Figure:
-    """Who holds which slot at every step: one row per slot, one bar per run of a request."""
+def slot_diagram(log: StepLog, title: str | None = None, num_steps: int | None = None) -> go.Figure:
+    """Who holds which slot at every step: one row per slot, one bar per run of a request.
+
+    num_steps: the x axis spans steps [0, num_steps), so that diagrams of logs of different
+    lengths share one scale; by default the log's own steps.
+    """
     if title is None:
         title = f"{log.policy}: {log.num_steps} steps, utilization {log.utilization:.1%}"
+    if num_steps is None:
+        num_steps = log.num_steps
+    elif isinstance(num_steps, bool) or not isinstance(num_steps, (int, np.integer)) or num_steps < log.num_steps:
+        raise ValueError(f"num_steps = {num_steps!r}: must be a whole number >= the log's {log.num_steps} steps")
     num_rows = min(log.num_slots, _MAX_SLOT_ROWS)
     fig = go.Figure(_run_bars(log))
     fig.update_layout(
@@ -104,7 +112,7 @@ def slot_diagram(log: StepLog, title: str | None = None) -> go.Figure:
         plot_bgcolor="white",
         uniformtext=dict(minsize=8, mode="hide"),
     )
-    fig.update_xaxes(title="step", range=[0, max(log.num_steps, 1)], showgrid=True, gridcolor=GRID)
+    fig.update_xaxes(title="step", range=[0, max(num_steps, 1)], showgrid=True, gridcolor=GRID)
     fig.update_yaxes(
         title="slot",
         range=[log.num_slots - 0.5, -0.5],
@@ -142,32 +150,34 @@ def utilization_bars(logs: dict[str, StepLog]) -> go.Figure:
 
 def harmonic_curves(
     batch_sizes=range(1, 65),
-    monte_carlo: dict[int, float] | None = None,
+    simulated: dict[int, float] | None = None,
     seeds=SEED_BATCH_SIZES,
     curves: dict[str, dict[int, float]] | None = None,
 ) -> go.Figure:
-    """Static utilization against batch size B: the theory line 1/H_B for exponential lengths.
+    """Static utilization against batch size B (log scale): the theory line 1/H_B for exponential lengths.
 
-    monte_carlo: {B: measured utilization} drawn as points, for example
-        `{b: theory.monte_carlo("exponential", b).pooled[-1] for b in (2, 8, 32)}`.
-    seeds: batch sizes marked on the line and annotated with their value.
+    simulated: {B: utilization} of static batching simulated on a backlogged queue of
+        exponential lengths, drawn as crosses on top of everything else.
+    seeds: batch sizes marked on the line (open circles, so a cross inside stays visible)
+        and annotated with their value.
     curves: extra named lines {name: {B: utilization}}, e.g. other length distributions.
     """
     sizes = np.asarray(list(batch_sizes))
-    fig = go.Figure(go.Scatter(x=sizes, y=exponential_utilization(sizes), mode="lines", name="theory: 1/H_B"))
+    fig = go.Figure(go.Scatter(x=sizes, y=exponential_utilization(sizes), mode="lines", name="exponential: 1/H_B"))
     for name, points in (curves or {}).items():
         fig.add_trace(_curve(points, name, mode="lines+markers"))
-    if monte_carlo:
-        fig.add_trace(_curve(monte_carlo, "Monte Carlo", mode="markers", marker=dict(symbol="x", size=9)))
     if len(seeds):
         fig.add_trace(_seed_points(seeds))
+    if simulated:
+        fig.add_trace(_curve(simulated, "simulated static batching, exponential", mode="markers", marker=dict(symbol="x", size=9)))
     fig.update_layout(
         title="Static batching: utilization against batch size B",
         height=420,
         plot_bgcolor="white",
         margin=dict(r=100),
     )
-    fig.update_xaxes(title="batch size B", gridcolor=GRID)
+    powers_of_two = [2**k for k in range(int(np.log2(sizes.max())) + 1) if 2**k >= sizes.min()]
+    fig.update_xaxes(title="batch size B (log scale)", type="log", tickvals=powers_of_two, gridcolor=GRID)
     fig.update_yaxes(title="static utilization", tickformat=".0%", rangemode="tozero", gridcolor=GRID)
     return fig
 
@@ -183,8 +193,8 @@ def _seed_points(seeds) -> go.Scatter:
         text=[f"B={b}: {value:.1%}" for b, value in zip(sizes.tolist(), values)],
         textposition="top right",
         cliponaxis=False,
-        marker=dict(size=10, color="black"),
-        name="marked values",
+        marker=dict(size=13, color="black", symbol="circle-open", line=dict(width=2)),
+        name="1/H_B at B = " + ", ".join(map(str, sizes.tolist())),
     )
 
 
@@ -202,7 +212,8 @@ def monte_carlo_convergence(result: MonteCarlo, num_points: int = 200) -> go.Fig
     fig = go.Figure()
     fig.add_trace(go.Scatter(x=shown + 1, y=result.pooled[shown], name="pooled: ΣL / (B·Σmax)"))
     fig.add_trace(go.Scatter(x=shown + 1, y=result.mean_of_ratios[shown], name="mean of per-batch ratios"))
-    fig.add_hline(y=exponential_utilization(result.batch_size), line_dash="dot", annotation_text="1/H_B")
+    limit = exponential_utilization(result.batch_size)
+    fig.add_hline(y=limit, line_dash="dot", annotation_text=f"1/H_{result.batch_size} = {limit:.1%}")
     fig.update_layout(title=f"Repeated static batches, B = {result.batch_size}", height=380, plot_bgcolor="white")
     fig.update_xaxes(title="batches drawn", type="log", gridcolor=GRID)
     fig.update_yaxes(title="utilization estimate", tickformat=".0%", gridcolor=GRID)

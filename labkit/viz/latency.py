@@ -6,8 +6,12 @@ Invariants:
   here runs a simulator or an engine, and nothing keeps state between calls;
 - times are drawn in the unit the axis names: step times and ITL in milliseconds,
   TTFT in seconds, throughput in output tokens per second, goodput in requests per second;
-- a trade-off point is Pareto-optimal when no other point is at least as good on every
-  axis (ITL and TTFT lower, throughput higher) and strictly better on one; ties keep both.
+- a step is drawn over its own duration, so a long step reads as a long flat stretch,
+  never as a slope into the next one;
+- one run dominates another when it is no worse on every axis (ITL and TTFT lower,
+  throughput higher) and better on one, where values within `rtol` (1%) of each other
+  are ties; a trade-off point is Pareto-optimal when no run dominates it. Colour shows
+  throughput only when the runs' throughputs differ by more than that tolerance.
 """
 
 from __future__ import annotations
@@ -19,6 +23,10 @@ import plotly.graph_objects as go
 
 from labkit.sched import StepLog, metrics
 from labkit.viz.figures import GRID
+
+RTOL = 0.01  # differences within 1% of a value are ties: noise, not a trade-off
+LABEL_POSITIONS = ("top center", "bottom center", "middle right", "middle left")
+LABEL_REACH = 0.08  # share of an axis within which two points' labels would collide
 
 
 class TradeoffPoint(NamedTuple):
@@ -35,65 +43,128 @@ def tradeoff_point(log: StepLog, q: float = 99) -> TradeoffPoint:
     return TradeoffPoint(itl_ms, metrics.percentile(log.ttft, q), log.tokens_per_second)
 
 
-def pareto_optimal(points: list[TradeoffPoint]) -> np.ndarray:
-    """bool per point: whether no other point dominates it (lower ITL and TTFT, higher throughput)."""
+def dominates(points: list[TradeoffPoint], rtol: float = RTOL) -> np.ndarray:
+    """bool [j, i]: whether point j dominates point i, with differences within `rtol` of
+    i's values counted as ties (lower ITL and TTFT, higher throughput)."""
+    if not 0 <= rtol < 1:
+        raise ValueError(f"rtol = {rtol!r}: must be a fraction in [0, 1)")
     costs = np.array([(p.itl_ms, p.ttft_s, -p.tokens_per_second) for p in points], float).reshape(-1, 3)
-    no_worse = (costs[:, None, :] <= costs[None, :, :]).all(axis=2)  # [j, i]: j at least as good as i
-    better = (costs[:, None, :] < costs[None, :, :]).any(axis=2)  # [j, i]: j strictly better somewhere
-    return ~(no_worse & better).any(axis=0)
+    slack = rtol * np.abs(costs)[None, :, :]  # (1, i, axis): how much of i's value is a tie
+    no_worse = (costs[:, None, :] <= costs[None, :, :] + slack).all(axis=2)  # [j, i]
+    better = (costs[:, None, :] < costs[None, :, :] - slack).any(axis=2)  # [j, i]: beyond a tie somewhere
+    return no_worse & better
+
+
+def pareto_optimal(points: list[TradeoffPoint], rtol: float = RTOL) -> np.ndarray:
+    """bool per point: whether no other point dominates it (see `dominates`)."""
+    return ~dominates(points, rtol).any(axis=0)
+
+
+def dominators(logs: dict[str, StepLog], q: float = 99, rtol: float = RTOL) -> dict[str, list[str]]:
+    """For each run, the runs that dominate it at the q-th percentile: [] for a Pareto-optimal run."""
+    names = list(logs)
+    beats = dominates([tradeoff_point(logs[name], q) for name in names], rtol)
+    return {name: [names[j] for j in np.flatnonzero(beats[:, i])] for i, name in enumerate(names)}
 
 
 def step_times(logs: dict[str, StepLog]) -> go.Figure:
-    """Each step's duration (ms) against the time it started (s), one line per run."""
+    """Each step's duration (ms), drawn flat from the step's start to its end (s since the
+    first arrival): a staircase per run, broken where the run idled between steps."""
     fig = go.Figure()
     for name, log in logs.items():
+        first_arrival = log.trace.arrivals.min()
+        x, y, prompt_tokens = staircase(log.step_start - first_arrival, log.step_end - first_arrival,
+                                        1000 * log.step_seconds, log.num_prefill_tokens)
         fig.add_trace(
             go.Scatter(
-                x=log.step_start - log.trace.arrivals.min(),
-                y=1000 * log.step_seconds,
-                customdata=log.num_prefill_tokens,
-                hovertemplate="start %{x:.3f} s<br>%{y:.1f} ms<br>prompt tokens %{customdata}",
-                mode="lines+markers",
-                marker=dict(size=4),
+                x=x,
+                y=y,
+                customdata=prompt_tokens,
+                hovertemplate="%{x:.3f} s<br>step of %{y:.1f} ms<br>prompt tokens %{customdata}",
+                mode="lines",
+                line_shape="hv",
                 name=name,
             )
         )
-    fig.update_layout(title="Step time over the run", height=380, plot_bgcolor="white")
-    fig.update_xaxes(title="step start (s)", gridcolor=GRID)
+    fig.update_layout(title="Step time over the run: each step drawn over its own duration", height=380,
+                      plot_bgcolor="white")
+    fig.update_xaxes(title="time since the first arrival (s)", gridcolor=GRID)
     fig.update_yaxes(title="step time (ms)", rangemode="tozero", gridcolor=GRID)
     return fig
 
 
-def latency_tradeoff(logs: dict[str, StepLog], q: float = 99, title: str | None = None) -> go.Figure:
-    """TTFT against ITL at the q-th percentile, one labelled point per run, coloured by
-    throughput; Pareto-optimal runs are drawn as filled circles, dominated ones as open."""
-    names = list(logs)
+def staircase(starts, ends, heights, labels) -> tuple[list, list, list]:
+    """x, y and a label per point for a line drawn with line_shape "hv": each step flat at its
+    height from its start to its end; None breaks the line where the next step starts later."""
+    x, y, shown = [], [], []
+    for i, (start, end, height, label) in enumerate(zip(starts, ends, heights, labels)):
+        x.append(float(start))
+        y.append(float(height))
+        shown.append(label)
+        is_last = i == len(starts) - 1
+        if is_last or not np.isclose(starts[i + 1], end, rtol=0, atol=1e-9):  # the line must end at this step's end
+            x += [float(end), None]
+            y += [float(height), None]
+            shown += [label, None]
+    return x, y, shown
+
+
+def label_positions(x, y) -> list[str]:
+    """A text position per point, so that points closer than LABEL_REACH of both axes (which
+    start at zero) get different sides: the first one's label above, the next one's below."""
+    scaled = np.column_stack([x, y]).astype(float)
+    scaled /= np.maximum(np.nanmax(scaled, axis=0), 1e-12)  # each axis as a share of its length
+    positions = []
+    for i in range(len(scaled)):
+        near = np.abs(scaled[:i] - scaled[i]).max(axis=1) < LABEL_REACH  # the earlier points close to this one
+        taken = {positions[j] for j in np.flatnonzero(near)}
+        positions.append(next((p for p in LABEL_POSITIONS if p not in taken), LABEL_POSITIONS[0]))
+    return positions
+
+
+def latency_tradeoff(logs: dict[str, StepLog], q: float = 99, title: str | None = None,
+                     rtol: float = RTOL) -> go.Figure:
+    """TTFT against ITL at the q-th percentile, one labelled point per run, in two traces:
+    Pareto-optimal runs (ties within `rtol`) as filled circles, dominated ones as open grey
+    circles. Colour shows throughput when the runs' throughputs differ by more than `rtol`;
+    otherwise the subtitle gives the one throughput they share."""
+    if not logs:
+        raise ValueError("logs = {}: give at least one run to place")
+    names = np.array(list(logs))
     points = [tradeoff_point(logs[name], q) for name in names]
-    optimal = pareto_optimal(points)
     itl_ms, ttft_s, throughput = (np.array(column, float) for column in zip(*points))
-    fig = go.Figure(
-        go.Scatter(
-            x=itl_ms,
-            y=ttft_s,
-            mode="markers+text",
-            text=names,
-            textposition="top right",
-            customdata=throughput,
-            hovertemplate="%{text}<br>ITL %{x:.1f} ms<br>TTFT %{y:.3f} s<br>%{customdata:.0f} tokens/s",
-            marker=dict(
-                size=14,
-                color=throughput,
-                colorscale="Viridis",
-                colorbar=dict(title="tokens/s"),
-                symbol=["circle" if is_optimal else "circle-open" for is_optimal in optimal],
-                line=dict(width=2),
-            ),
-            name="runs",
+    optimal = pareto_optimal(points, rtol)
+    positions = np.array(label_positions(itl_ms, ttft_s))
+    title = title or f"TTFT against ITL (p{q:g})"
+    is_coloured = throughput.max() - throughput.min() > rtol * throughput.max()
+    if not is_coloured:
+        title += f"<br><sup>every run: {throughput.mean():,.0f} tokens/s (within {rtol:.0%}), so no colour for it</sup>"
+    fig = go.Figure()
+    for kind, chosen in (("Pareto-optimal", optimal), ("dominated", ~optimal)):
+        if not chosen.any():
+            continue
+        marker = dict(size=14, line=dict(width=2), symbol="circle")
+        if kind == "dominated":
+            marker |= dict(symbol="circle-open", color="grey")
+        elif is_coloured:
+            marker |= dict(color=throughput[chosen], colorscale="Viridis", cmin=throughput.min(),
+                           cmax=throughput.max(), colorbar=dict(title="tokens/s"))
+        fig.add_trace(
+            go.Scatter(
+                x=itl_ms[chosen],
+                y=ttft_s[chosen],
+                mode="markers+text",
+                text=names[chosen].tolist(),
+                textposition=positions[chosen].tolist(),
+                customdata=throughput[chosen],
+                hovertemplate="%{text}<br>ITL %{x:.1f} ms<br>TTFT %{y:.3f} s<br>%{customdata:.0f} tokens/s",
+                marker=marker,
+                name=f"{kind} (ties within {rtol:.0%})" if kind == "dominated" else kind,
+            )
         )
-    )
-    fig.update_layout(title=title or f"TTFT against ITL (p{q:g})", height=420, plot_bgcolor="white")
-    fig.update_xaxes(title=f"ITL p{q:g} (ms)", rangemode="tozero", gridcolor=GRID)
-    fig.update_yaxes(title=f"TTFT p{q:g} (s)", rangemode="tozero", gridcolor=GRID)
+    fig.update_layout(title=title, height=440, plot_bgcolor="white", legend=dict(orientation="h", y=-0.25))
+    fig.update_xaxes(title=f"ITL p{q:g} (ms)", range=[0, 1.1 * np.nanmax(itl_ms)], gridcolor=GRID)
+    fig.update_yaxes(title=f"TTFT p{q:g} (s)", range=[0, 1.15 * np.nanmax(ttft_s)], gridcolor=GRID)
     return fig
 
 
@@ -101,7 +172,8 @@ def goodput_bars(goodput: dict[str, float], offered: float | None = None, slo: s
     """Requests per second that met the SLOs, one bar per run; `offered` draws the arrival rate."""
     names = list(goodput)
     values = [goodput[name] for name in names]
-    fig = go.Figure(go.Bar(x=names, y=values, text=[f"{value:.2f}" for value in values], textposition="outside"))
+    fig = go.Figure(go.Bar(x=names, y=values, text=[f"{value:.2f}" for value in values], textposition="inside",
+                           insidetextanchor="end"))  # inside the bar's top: never across the offered line
     if offered is not None:
         fig.add_hline(y=offered, line_dash="dot", annotation_text=f"offered {offered:g} requests/s")
     fig.update_layout(title=f"Goodput{': ' + slo if slo else ''}", height=360, plot_bgcolor="white")

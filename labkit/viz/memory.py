@@ -1,4 +1,5 @@
-"""Memory figures: the KV block pool step by step, preemptions, and a sweep of pool sizes.
+"""Memory figures: the KV block pool step by step, preemptions, idle slots beside a queue, and a
+sweep of pool sizes.
 
 Invariants:
 
@@ -86,6 +87,29 @@ def running_requests(logs: dict[str, StepLog], title: str | None = None) -> go.F
     return fig
 
 
+def idle_beside_queue(log: StepLog, title: str | None = None) -> go.Figure:
+    """Requests running and requests waiting at every step; where a slot idles while the head
+    of the queue waits, the idle slots are shaded, one colour per reason the log records."""
+    running = (log.slots >= 0).sum(axis=1)
+    fig = go.Figure()
+    gap = (running < log.num_slots) & (log.num_queued > 0)
+    for i, reason in enumerate(sorted(set(log.blocked[gap]))):
+        steps = np.flatnonzero(gap & (log.blocked == reason))
+        idle = log.num_slots - running[steps]
+        fig.add_trace(go.Bar(x=steps + 0.5, y=idle, base=running[steps], width=1, opacity=0.45,
+                             marker=dict(color=PALETTE[(2 + i) % len(PALETTE)], line_width=0),
+                             name=f"idle slots beside a queue: {reason} ({idle.sum()} slot-steps)"))
+    for i, (name, values) in enumerate((("running", running), ("waiting", log.num_queued))):
+        x, y = _stairs(values)
+        fig.add_trace(go.Scatter(x=x, y=y, mode="lines", line_shape="hv", line_color=PALETTE[i], name=name))
+    fig.add_hline(y=log.num_slots, line_dash="dash", annotation_text=f"{log.num_slots} slots")
+    fig.update_layout(title=title or "Who runs and who waits", height=400, plot_bgcolor="white", bargap=0,
+                      legend=dict(orientation="h", y=-0.25))
+    fig.update_xaxes(title="step", rangemode="tozero", gridcolor=GRID)
+    fig.update_yaxes(title="requests", rangemode="tozero", gridcolor=GRID)
+    return fig
+
+
 def _check_lengths(num_blocks: Sequence, **columns: Sequence) -> None:
     for name, values in columns.items():
         if len(values) != len(num_blocks):
@@ -115,8 +139,9 @@ def pool_sweep(
         go.Bar(x=list(num_blocks), y=list(recomputed_tokens), hovertext=hover, name="recomputed tokens"), row=2, col=1
     )
     if peak is not None:
-        fig.add_vline(x=peak, line_dash="dot", row=2, col=1)
-        fig.add_vline(x=peak, line_dash="dot", annotation_text=f"peak demand {peak}", row=1, col=1)
+        fig.add_vline(x=peak, line_dash="dot", row=1, col=1)
+        fig.add_vline(x=peak, line_dash="dot", annotation_text=f"peak demand {peak}", annotation_position="top right",
+                      row=2, col=1)  # labelled in the lower panel, where no bars stand beyond the peak
     fig.update_layout(title="KV pool size against throughput and recompute", height=520, plot_bgcolor="white")
     fig.update_xaxes(title="KV pool (blocks)", row=2, col=1, gridcolor=GRID)
     fig.update_yaxes(title="tokens/s", rangemode="tozero", row=1, col=1, gridcolor=GRID)

@@ -156,7 +156,7 @@ class ScheduleStepper(widgets.VBox):
         """Build one figure per policy on a shared step axis, then show the whole schedule."""
         longest = max(log.num_steps for log in self.logs.values())
         for name, log in self.logs.items():
-            figure = go.FigureWidget(slot_diagram(log, title=log.policy).update_xaxes(range=[0, longest]))
+            figure = go.FigureWidget(slot_diagram(log, title=log.policy, num_steps=longest))
             self.panels[name].children = [self.counters[name], figure.add_class(f"labkit-figure-{name}")]
             if name in self.figures:
                 self.figures[name].close()
