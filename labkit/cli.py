@@ -28,6 +28,7 @@ from labkit.engine.attention import ATTENTION_LAYOUTS
 from labkit.engine.device import default_threads
 from labkit.engine.runner import DTYPES
 from labkit.sched import metrics
+from labkit.serve.server import add_serve_parser
 
 BUILTIN_TRACES = ("toy", "exponential", "azure-conv")
 MEAN_OUTPUT = 32
@@ -40,18 +41,22 @@ COLUMNS = [
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser, demo_parser = build_parser()
+    parser, demo_parser, serve_parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2
     if args.command == "export-html":
         return export_html(args, parser)
+    if args.command == "serve":
+        from labkit.serve.server import serve_command
+
+        return serve_command(args, serve_parser)
     return demo(args, demo_parser)
 
 
-def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
-    """The `labkit` parser and its `demo` subcommand's parser (which reports option errors)."""
+def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser, argparse.ArgumentParser]:
+    """The `labkit` parser, and its `demo` and `serve` subcommands' parsers (which report option errors)."""
     parser = argparse.ArgumentParser(prog="labkit", description="labkit: predict, run and see continuous batching.")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     demo_parser = commands.add_parser(
@@ -110,7 +115,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     )
     export_parser.add_argument("notebook", help="the lesson, e.g. notebooks/01_static_vs_continuous.ipynb")
     export_parser.add_argument("output", help="the HTML file to write")
-    return parser, demo_parser
+    serve_parser = add_serve_parser(commands, _whole_number, _positive_number)
+    return parser, demo_parser, serve_parser
 
 
 def export_html(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

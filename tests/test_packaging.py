@@ -10,13 +10,13 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-CONDA_NAMES = {"torch": "pytorch", "playwright": "playwright-python"}  # PyPI name -> conda-forge name where they differ
+CONDA_NAMES = {"torch": "pytorch", "playwright": "playwright-python", "prometheus-client": "prometheus_client"}  # PyPI name -> conda-forge name where they differ
 
 
 def _pyproject_requirements() -> set[str]:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     extras = project["optional-dependencies"]
-    requirements = project["dependencies"] + extras["lab"] + extras["test"]
+    requirements = project["dependencies"] + extras["lab"] + extras["serve"] + extras["test"]
     return {CONDA_NAMES.get(r.split(">=")[0], r.split(">=")[0]) + ">=" + r.split(">=")[1] for r in requirements}
 
 
@@ -52,7 +52,7 @@ def test_pre_commit_strips_notebooks_as_run_notebooks_does_and_lints_them():
 def test_pure_layers_import_no_heavy_library():
     code = (
         "import sys, labkit.sched, labkit.sched.overlap, labkit.sched.lanes, labkit.sched.host, labkit.theory,"
-        " labkit.traffic, labkit;"
+        " labkit.traffic, labkit, labkit.serve, labkit.serve.tokenizer;"
         "print(sorted({'torch', 'plotly', 'ipywidgets'} & set(sys.modules)))"
     )
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

@@ -156,14 +156,10 @@ class SchedulerMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.state.waiting or self.state.running())
     @rule(data=st.data())
     def abort(self, data):
-        """The library has no abort: drop the request from the queue or its slot, free its blocks."""
+        """A client goes away: the request leaves the queue or its slot, and its blocks are freed."""
         candidates = sorted([*self.state.waiting, *self.state.running()], key=lambda r: r.id)
         request = data.draw(st.sampled_from(candidates), label="abort")
-        if request.slot >= 0:
-            self.state._free_slot(request, "aborts")  # frees its blocks too
-        else:
-            self.state.waiting.remove(request)
-        del self.state.by_id[request.id]  # a later decision naming it would fail in apply
+        self.state.abort(request.id)  # frees its slot and blocks, and forgets it
         self.aborted.add(request.id)
 
     # Invariants

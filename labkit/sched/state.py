@@ -435,6 +435,24 @@ class SchedulerState:
             self._admit(request)
         return admitted
 
+    def add(self, request: Request) -> None:
+        """A request that arrives while the engine runs joins the end of the queue (an online
+        server's arrivals; a run of a known trace adds its requests up front instead)."""
+        if request.id in self.by_id:
+            raise ValueError(f"request {request.id} is already known")
+        self.by_id[request.id] = request
+        self.waiting.append(request)
+
+    def abort(self, request_id: int) -> None:
+        """Forget a request whose client went away: out of the queue, or out of its slot with its
+        KV blocks freed. A later decision naming it fails."""
+        request = self._lookup(request_id, "abort")
+        if request.slot >= 0:
+            self._free_slot(request, "aborts")
+        else:
+            self.waiting.remove(request)
+        del self.by_id[request_id]
+
     def place(self, request: Request, slot: int) -> None:
         """Seat `request` in free `slot` (admission does this with the lowest free slot)."""
         request.slot = slot

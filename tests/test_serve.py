@@ -1,0 +1,239 @@
+"""`labkit serve`: the online engine behind the OpenAI-compatible API, on loopback.
+
+A server runs in-process (uvicorn in a thread, a tiny TinyGPT) for the module; each test
+stops by itself, and the load test is bounded in requests and time."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+import uvicorn
+
+import labkit as lk
+from labkit.engine import Engine, ModelConfig
+from labkit.serve import tokenizer
+from labkit.serve.server import build_server
+
+TINY = ModelConfig(vocab_size=300, d_model=32, n_layers=2, n_heads=2, d_ff=64, max_seq_len=128)
+POLICY = lk.Continuous(num_slots=4, num_blocks=64, block_size=4, max_tokens_per_step=32, chunked_prefill=True)
+MODEL = "tiny"
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class Served:
+    """A labkit server on a free loopback port, in a thread; `stop` ends it."""
+
+    def __init__(self, policy=POLICY):
+        self.engine = Engine(TINY, device="cpu", seed=0, threads=1)
+        app, self.online = build_server(self.engine, policy, MODEL)
+        self.url = f"http://127.0.0.1:{free_port()}"
+        port = int(self.url.rsplit(":", 1)[1])
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=20)
+        assert not self.thread.is_alive()
+
+    def pool_is_full(self) -> bool:
+        blocks = self.online.blocks
+        return blocks.num_free_blocks == blocks.num_blocks
+
+
+@pytest.fixture(scope="module")
+def served():
+    server = Served()
+    yield server
+    server.stop()
+
+
+def complete(url: str, **body) -> httpx.Response:
+    return httpx.post(f"{url}/v1/completions", json={"model": MODEL, **body}, timeout=30)
+
+
+def stream_tokens(url: str, **body) -> tuple[list[int], dict]:
+    """The token ids of a streamed completion, and its usage chunk."""
+    tokens, usage = [], {}
+    payload = {"model": MODEL, "stream": True, "stream_options": {"include_usage": True}, **body}
+    with httpx.stream("POST", f"{url}/v1/completions", json=payload, timeout=30) as answer:
+        assert answer.status_code == 200
+        for line in answer.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunk = json.loads(line[6:])
+                usage = chunk.get("usage") or usage
+                for choice in chunk["choices"]:
+                    tokens += choice["token_ids"]
+    return tokens, usage
+
+
+def reference_tokens(engine: Engine, prompts: list[list[int]], lengths: list[int]) -> list[list[int]]:
+    """Engine.run's greedy tokens for the same prompts."""
+    trace = lk.Trace.from_lengths(lengths, prompt_tokens=[np.array(p) for p in prompts])
+    log = engine.run(trace, lk.Continuous(num_slots=4), progress=False)
+    return [log.outputs[int(rid)] for rid in trace.ids]
+
+
+PROMPTS = [[5, 6, 7], [9], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20], [30, 31]]
+LENGTHS = [6, 3, 9, 4]
+
+
+def test_streamed_and_whole_completions_give_engine_run_tokens(served):
+    expected = reference_tokens(served.engine, PROMPTS, LENGTHS)
+    for prompt, length, tokens in zip(PROMPTS, LENGTHS, expected):
+        streamed, usage = stream_tokens(served.url, prompt=prompt, max_tokens=length)
+        assert streamed == tokens
+        assert usage == {"prompt_tokens": len(prompt), "completion_tokens": length, "total_tokens": len(prompt) + length}
+        whole = complete(served.url, prompt=prompt, max_tokens=length).json()
+        assert whole["choices"][0]["token_ids"] == tokens and whole["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_string_prompt_goes_through_the_byte_tokenizer(served):
+    as_text = complete(served.url, prompt="hi", max_tokens=3).json()["choices"][0]
+    as_ids = complete(served.url, prompt=tokenizer.encode("hi"), max_tokens=3).json()["choices"][0]
+    assert as_text["token_ids"] == as_ids["token_ids"] and tokenizer.encode("hi") == [105, 106]
+    assert as_text["text"] == tokenizer.decode(as_text["token_ids"])
+
+
+def test_concurrent_requests_share_steps_and_keep_their_tokens(served):
+    expected = reference_tokens(served.engine, PROMPTS, LENGTHS)
+    before = len(served.online.step_sizes)
+
+    async def all_at_once():
+        async with httpx.AsyncClient(timeout=30) as client:
+            answers = await asyncio.gather(*(client.post(f"{served.url}/v1/completions", json={
+                "model": MODEL, "prompt": p, "max_tokens": n}) for p, n in zip(PROMPTS, LENGTHS)))
+        return [answer.json()["choices"][0]["token_ids"] for answer in answers]
+
+    assert asyncio.run(all_at_once()) == expected
+    assert max(served.online.step_sizes[before:]) > 1  # the server's own step record: steps were shared
+
+
+@pytest.mark.parametrize("body, message", [
+    (dict(prompt=[1] * 120, max_tokens=20), "prompt of 120 tokens \\+ max_tokens 20 exceed the model's max_seq_len 128"),
+    (dict(prompt=[5, 300], max_tokens=2), "prompt token 300 at position 1 is outside the vocabulary \\(0..299\\)"),
+    (dict(prompt=[5], max_tokens=0), "max_tokens = 0: must be a whole number >= 1"),
+    (dict(prompt=[5], max_tokens="four"), "max_tokens: Input should be a valid integer"),
+    (dict(prompt=[5], max_tokens=2, model="gpt-4"), "model = 'gpt-4': this server serves 'tiny'"),
+    (dict(max_tokens=2), "prompt: Field required"),
+])
+def test_bad_input_gets_an_openai_error_and_the_server_serves_on(served, body, message):
+    answer = complete(served.url, **body)
+    assert answer.status_code == 400
+    error = answer.json()
+    assert error["object"] == "error" and error["code"] == 400
+    assert __import__("re").search(message, error["message"]), error["message"]
+    assert len(complete(served.url, prompt=[5], max_tokens=2).json()["choices"][0]["token_ids"]) == 2
+
+
+def test_a_body_that_is_not_json_is_a_400(served):
+    answer = httpx.post(f"{served.url}/v1/completions", content=b"{not json", timeout=10,
+                        headers={"content-type": "application/json"})
+    assert answer.status_code == 400 and "not valid JSON" in answer.json()["message"]
+
+
+def wait_until(predicate, seconds: float = 10.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
+
+
+def scrape(url: str) -> dict[str, float]:
+    lines = httpx.get(f"{url}/metrics", timeout=10).text.splitlines()
+    return {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("vllm:")}
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_slot_and_blocks(served):
+    payload = {"model": MODEL, "prompt": [5, 6], "max_tokens": 100, "stream": True}
+    with httpx.stream("POST", f"{served.url}/v1/completions", json=payload, timeout=30) as answer:
+        received = 0
+        for line in answer.iter_lines():
+            received += line.startswith("data: ")
+            if received == 3:
+                break  # leave: the stream closes with the block
+    assert wait_until(lambda: served.pool_is_full() and not served.online.state.by_id)
+    assert wait_until(lambda: scrape(served.url)["vllm:kv_cache_usage_perc"] == 0.0)
+    assert scrape(served.url)["vllm:num_requests_running"] == 0.0
+
+
+def test_metrics_use_vllm_names_and_count_tokens(served):
+    before = scrape(served.url)
+    complete(served.url, prompt=[5, 6, 7], max_tokens=4)
+    after = scrape(served.url)
+    assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] == 4
+    assert after["vllm:prompt_tokens_total"] - before["vllm:prompt_tokens_total"] == 3
+    for name in ("vllm:num_requests_waiting", "vllm:num_preemptions_total", "vllm:time_to_first_token_seconds_count",
+                 "vllm:inter_token_latency_seconds_count"):
+        assert name in after
+    assert httpx.get(f"{served.url}/health").status_code == 200
+    assert httpx.get(f"{served.url}/v1/models").json()["data"][0]["id"] == MODEL
+
+
+def test_two_hundred_concurrent_streams_all_finish_and_every_block_returns():
+    server = Served(lk.Continuous(num_slots=16, num_blocks=48, block_size=4))  # small pool: preemption under load
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 9, 200).tolist()
+    prompts = [rng.integers(1, 300, rng.integers(0, 9)).tolist() for _ in lengths]
+
+    async def one(client, prompt, length):
+        tokens = []
+        payload = {"model": MODEL, "prompt": prompt, "max_tokens": length, "stream": True}
+        async with client.stream("POST", f"{server.url}/v1/completions", json=payload) as answer:
+            async for line in answer.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    tokens += json.loads(line[6:])["choices"][0]["token_ids"] if "usage" not in line else []
+        return tokens
+
+    async def everyone():
+        limits = httpx.Limits(max_connections=200)
+        async with httpx.AsyncClient(timeout=60, limits=limits) as client:
+            return await asyncio.gather(*(one(client, p, n) for p, n in zip(prompts, lengths)))
+
+    try:
+        received = asyncio.run(asyncio.wait_for(everyone(), 120))
+        assert [len(tokens) for tokens in received] == lengths  # none lost, none short
+        assert wait_until(server.pool_is_full)
+        assert not server.online.state.by_id and max(server.online.step_sizes) > 1
+    finally:
+        server.stop()
+
+
+def test_stopping_the_server_aborts_what_is_in_flight():
+    server = Served()
+    finished = []
+
+    def long_stream():
+        payload = {"model": MODEL, "prompt": [5], "max_tokens": 120, "stream": True}
+        try:
+            with httpx.stream("POST", f"{server.url}/v1/completions", json=payload, timeout=30) as answer:
+                finished.append(sum(line.startswith("data: ") for line in answer.iter_lines()))
+        except httpx.HTTPError as problem:
+            finished.append(problem)
+
+    client = threading.Thread(target=long_stream)
+    client.start()
+    assert wait_until(lambda: server.online.step_sizes)
+    server.stop()  # uvicorn lets the stream finish or ends it; the engine aborts what is left
+    client.join(timeout=30)
+    assert not client.is_alive() and finished
+    assert server.pool_is_full() and not server.online.state.by_id
