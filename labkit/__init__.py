@@ -1,7 +1,8 @@
 """labkit: predict, run and see iteration-level scheduling (continuous batching).
 
 Layers, each importing only those before it: traffic, theory -> sched -> engine, viz.
-Importing labkit loads numpy only; `labkit.viz` loads plotly and ipywidgets when first used.
+Importing labkit loads numpy only; `labkit.viz` loads plotly and ipywidgets, and
+`labkit.replay` httpx, when first used.
 """
 
 import importlib
@@ -20,6 +21,7 @@ __all__ = [
     "StepLog",
     "Trace",
     "metrics",
+    "replay",
     "simulate",
     "theory",
     "viz",
@@ -29,4 +31,6 @@ __all__ = [
 def __getattr__(name: str):
     if name == "viz":
         return importlib.import_module("labkit.viz")
+    if name == "replay":  # the HTTP client loads only with the `serve` extra, when first used
+        return importlib.import_module("labkit.serve.replay").replay
     raise AttributeError(f"module 'labkit' has no attribute {name!r}")

@@ -28,6 +28,7 @@ from labkit.engine.attention import ATTENTION_LAYOUTS
 from labkit.engine.device import default_threads
 from labkit.engine.runner import DTYPES
 from labkit.sched import metrics
+from labkit.serve.replay_cli import add_replay_parser, replay_command
 from labkit.serve.server import add_serve_parser
 
 BUILTIN_TRACES = ("toy", "exponential", "azure-conv")
@@ -41,7 +42,7 @@ COLUMNS = [
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser, demo_parser, serve_parser = build_parser()
+    parser, commands = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help(sys.stderr)
@@ -51,12 +52,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         from labkit.serve.server import serve_command
 
-        return serve_command(args, serve_parser)
-    return demo(args, demo_parser)
+        return serve_command(args, commands["serve"])
+    if args.command == "replay":
+        return replay_command(args, commands["replay"])
+    return demo(args, commands["demo"])
 
 
-def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser, argparse.ArgumentParser]:
-    """The `labkit` parser, and its `demo` and `serve` subcommands' parsers (which report option errors)."""
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The `labkit` parser, and its subcommands' parsers by name (each reports its option errors)."""
     parser = argparse.ArgumentParser(prog="labkit", description="labkit: predict, run and see continuous batching.")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     demo_parser = commands.add_parser(
@@ -116,7 +119,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser, ar
     export_parser.add_argument("notebook", help="the lesson, e.g. notebooks/01_static_vs_continuous.ipynb")
     export_parser.add_argument("output", help="the HTML file to write")
     serve_parser = add_serve_parser(commands, _whole_number, _positive_number)
-    return parser, demo_parser, serve_parser
+    replay_parser = add_replay_parser(commands)
+    return parser, {"demo": demo_parser, "serve": serve_parser, "replay": replay_parser}
 
 
 def export_html(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

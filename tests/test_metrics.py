@@ -69,3 +69,72 @@ def test_goodput_counts_requests_that_meet_every_slo(toy_continuous):
     assert metrics.meets_slos(toy_continuous, tpot=0.5).sum() == 0
     assert metrics.goodput(toy_continuous, ttft=6) == 4 / 17
     assert metrics.goodput(toy_continuous) == 8 / 17
+
+
+# Logs that are not StepLogs: a replay's ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def replayed():
+    """A replay log by hand: request 0 streams at 0.5 and 0.75 s, request 1 at 0.25, 0.5 and 1.5 s,
+    request 2 (arriving at 1 s) fails."""
+    from labkit.serve.replay import ReplayLog, ScrapedSeries
+
+    trace = lk.Trace.from_lengths([2, 3, 1], arrivals=[0, 0, 1])
+    tokens_at = [np.array([0.5, 0.75]), np.array([0.25, 0.5, 1.5]), np.array([])]
+    return ReplayLog(trace, "http://h", np.array([0.0, 0.0, 1.0]), tokens_at, {0: [4, 5], 1: [6, 7, 8]},
+                     [(2, "http://h: request 2: HTTP 500: boom")], ScrapedSeries.from_samples([]))
+
+
+def test_a_log_s_own_token_times_are_used_and_a_failed_request_s_are_not(replayed):
+    ids, times = metrics.token_times(replayed)
+    assert ids.tolist() == [0, 0, 1, 1, 1] and times.tolist() == [0.5, 0.75, 0.25, 0.5, 1.5]
+    assert metrics.itl(replayed).tolist() == [0.25, 0.25, 1.0]
+    assert metrics.tpot(replayed).tolist() == [0.25, 0.625]  # (0.75 - 0.5) / 1, (1.5 - 0.25) / 2
+
+
+def test_percentile_skips_nan_where_numpy_would_return_it():
+    values = np.array([1.0, np.nan, 3.0])
+    assert np.isnan(np.percentile(values, 50))  # why the skip is explicit
+    assert metrics.percentile(values, 50) == 2.0
+    assert np.isnan(metrics.percentile(np.array([np.nan]), 50)) and np.isnan(metrics.percentile([], 50))
+
+
+def test_a_failed_request_meets_no_slo(replayed):
+    assert metrics.meets_slos(replayed).tolist() == [True, True, False]
+    assert metrics.meets_slos(replayed, ttft=0.3).tolist() == [False, True, False]
+    assert metrics.goodput(replayed, ttft=0.3) == 1 / 1.5  # 1.5 s from the first send to the last token
+
+
+def test_summary_of_a_replay_has_no_step_fields_and_counts_failures(replayed):
+    assert metrics.summary(replayed) == {
+        "tokens": 5, "tokens/s": 5 / 1.5, "TTFT p50 (s)": 0.375, "TTFT p99 (s)": pytest.approx(0.25 + 0.99 * 0.25),
+        "ITL p50 (ms)": 250.0, "ITL p99 (ms)": pytest.approx(250 + 0.98 * 750), "TPOT mean (ms)": 437.5,
+        "latency p50 (s)": 1.125, "latency p99 (s)": pytest.approx(0.75 + 0.99 * 0.75), "failed requests": 1,
+    }
+
+
+def test_table_puts_a_dash_where_a_run_has_no_value_and_keeps_the_steplog_s_order(replayed):
+    simulated = lk.simulate(replayed.trace, lk.Continuous(num_slots=2), step_time=0.25)
+    expected = [
+        "                    replay      sim",
+        "steps                    -        4",
+        "tokens                   5        6",
+        "utilization (%)          -   75.000",
+        "wasted slot-steps        -        2",
+        "tokens/step              -    1.500",
+        "tokens/s             3.333    4.800",
+        "mean wait (s)            -    0.000",
+        "p99 wait (s)             -    0.000",
+        "TTFT p50 (s)         0.375    0.250",
+        "TTFT p99 (s)         0.497    0.250",
+        "ITL p50 (ms)       250.000  250.000",
+        "ITL p99 (ms)       985.000  250.000",
+        "TPOT mean (ms)     437.500  250.000",
+        "latency p50 (s)      1.125    0.500",
+        "latency p99 (s)      1.492    0.745",
+        "failed requests          1        -",
+    ]
+    assert metrics.table({"replay": replayed, "sim": simulated}).splitlines() == expected
+    swapped = metrics.table({"sim": simulated, "replay": replayed}).splitlines()
+    assert [line.split("  ")[0] for line in swapped] == [line.split("  ")[0] for line in expected]

@@ -22,7 +22,8 @@ def test_the_lessons_exist():
     assert "02_how_much_it_buys.ipynb" in names
     assert "06_exercises.ipynb" in names
     assert "07_when_the_cpu_shows.ipynb" in names
-    assert names[-1] == "08_in_30_seconds.ipynb"  # the 30-second summary stays last
+    assert "08_your_traffic_on_a_real_server.ipynb" in names
+    assert names[-1] == "09_in_30_seconds.ipynb"  # the 30-second summary stays last
 
 
 @pytest.mark.parametrize("path", EVERY_COPY, ids=lambda p: f"{p.parent.name}/{p.name}")

@@ -35,8 +35,8 @@ def free_port() -> int:
 class Served:
     """A labkit server on a free loopback port, in a thread; `stop` ends it."""
 
-    def __init__(self, policy=POLICY):
-        self.engine = Engine(TINY, device="cpu", seed=0, threads=1)
+    def __init__(self, policy=POLICY, config: ModelConfig = TINY):
+        self.engine = Engine(config, device="cpu", seed=0, threads=1)
         app, self.online = build_server(self.engine, policy, MODEL)
         self.url = f"http://127.0.0.1:{free_port()}"
         port = int(self.url.rsplit(":", 1)[1])
@@ -237,3 +237,105 @@ def test_stopping_the_server_aborts_what_is_in_flight():
     client.join(timeout=30)
     assert not client.is_alive() and finished
     assert server.pool_is_full() and not server.online.state.by_id
+
+
+# lk.replay against labkit serve
+
+
+def test_a_replay_gets_every_token_engine_run_would_and_scrapes_the_server(served):
+    trace = lk.Trace.sample(12, output="exponential", mean_output=6, prompt="uniform", mean_prompt=8, rate=40.0,
+                            seed=4)
+    log = lk.replay(trace, url=served.url, model=MODEL, vocab_size=TINY.vocab_size, progress=False)
+    reference = served.engine.run(trace, lk.Continuous(num_slots=4), progress=False)
+    assert not log.failures
+    assert {rid: len(tokens) for rid, tokens in log.outputs.items()} == dict(
+        zip(trace.ids.tolist(), trace.output_lengths.tolist()))
+    assert log.outputs == reference.outputs  # greedy tokens, the same whoever shares the steps
+    summary = lk.metrics.summary(log)
+    assert summary["tokens/s"] > 0 and summary["TTFT p99 (s)"] > 0 and not np.isnan(summary["ITL p50 (ms)"])
+    assert len(log.server) > 0  # scraped while it ran (a tiny model finishes between scrapes, so no count is asserted)
+    assert wait_until(served.pool_is_full)
+
+
+def test_a_server_killed_mid_replay_leaves_failures_not_a_hang(tmp_path):
+    import subprocess
+    import sys
+
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "labkit", "serve", "--port", str(port), "--slots", "2",
+                               "--device", "cpu", "--threads", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        assert wait_until(lambda: _healthy(url), 60), "labkit serve did not start"
+        trace = lk.Trace.from_lengths([1500] * 6, prompt_lengths=[8] * 6)  # seconds each: all cut short
+        killer = threading.Timer(1.5, server.kill)
+        killer.start()
+        started = time.monotonic()
+        log = lk.replay(trace, url=url, model="tinygpt", progress=False, read_timeout=20)
+        assert time.monotonic() - started < 30
+        assert len(log.failures) == len(trace)  # every request cut short, each named
+        assert all(url in message for _, message in log.failures)
+    finally:
+        server.kill()
+        server.wait(timeout=10)
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def test_the_replay_command_prints_prediction_beside_measurement(capsys):
+    from labkit.cli import main
+
+    server = Served(lk.Continuous(num_slots=4), config=ModelConfig())  # labkit serve's default model
+    try:
+        assert main(["replay", "exponential", "--url", server.url, "--model", MODEL, "--requests", "6",
+                     "--rate", "50", "--slots", "4", "--no-progress"]) == 0
+    finally:
+        server.stop()
+    out = capsys.readouterr().out
+    assert "predicted with Continuous(num_slots=4), CostModel fit on" in out
+    header = next(line for line in out.splitlines() if "predicted" in line and "measured" in line)
+    assert header.split() == ["predicted", "measured"]
+    assert "failed: 0 of 6 requests" in out
+
+
+def test_sigterm_stops_labkit_serve_cleanly():
+    import signal
+    import subprocess
+    import sys
+
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "labkit", "serve", "--port", str(port), "--device", "cpu",
+                               "--threads", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        assert wait_until(lambda: _healthy(url), 60), "labkit serve did not start"
+        received = []
+        client = threading.Thread(target=lambda: received.append(_count_streamed(url, 1500)))
+        client.start()
+        time.sleep(0.5)  # the stream is under way
+        server.send_signal(signal.SIGTERM)
+        # uvicorn shuts down gracefully, then re-raises the signal it caught, as a server should
+        assert server.wait(timeout=30) in (0, -signal.SIGTERM)
+        assert "labkit serve: stopped after" in server.stdout.read()  # the engine's own shutdown ran
+        client.join(timeout=30)
+        assert not client.is_alive() and 0 < received[0] <= 1500  # cut short, or finished in the grace period
+    finally:
+        server.kill()
+        server.wait(timeout=10)
+
+
+def _count_streamed(url: str, max_tokens: int) -> int:
+    tokens = 0
+    payload = {"model": "tinygpt", "prompt": [5], "max_tokens": max_tokens, "stream": True}
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", json=payload, timeout=30) as answer:
+            for line in answer.iter_lines():
+                tokens += line.startswith("data: {") and '"token_ids": [' in line and '"token_ids": []' not in line
+    except httpx.HTTPError:
+        pass
+    return tokens

@@ -190,3 +190,21 @@ def test_goodput_bars_label_each_value_and_draw_the_offered_rate():
 
 def test_goodput_bars_without_an_offered_rate_draw_no_line():
     assert not goodput_bars({"a": 1.0}).layout.shapes
+
+
+def test_predicted_against_measured_puts_each_request_at_its_two_times():
+    trace = lk.Trace.from_lengths([3, 5], arrivals=[0.0, 0.01])
+    predicted = lk.simulate(trace, lk.Continuous(num_slots=2))
+    measured = lk.simulate(trace, lk.Continuous(num_slots=1))
+    fig = lk.viz.predicted_against_measured(predicted, measured)
+    points = [trace for trace in fig.data if trace.name == "a request"]
+    assert list(points[0].x) == pytest.approx(1000 * predicted.ttft) and list(points[0].y) == pytest.approx(
+        1000 * measured.ttft)
+    assert list(points[1].y) == pytest.approx(1000 * measured.latency)
+
+
+def test_predicted_against_measured_refuses_different_requests():
+    one = lk.simulate(lk.Trace.from_lengths([3, 5]), lk.Continuous(num_slots=2))
+    other = lk.simulate(lk.Trace.from_lengths([3]), lk.Continuous(num_slots=2))
+    with pytest.raises(ValueError, match="same requests"):
+        lk.viz.predicted_against_measured(one, other)

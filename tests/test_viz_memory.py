@@ -6,7 +6,15 @@ import numpy as np
 import pytest
 
 import labkit as lk
-from labkit.viz.memory import idle_beside_queue, pool_sweep, pool_usage, preemption_steps, running_requests
+from labkit.serve.replay import ScrapedSeries
+from labkit.viz.memory import (
+    idle_beside_queue,
+    pool_sweep,
+    pool_usage,
+    preemption_steps,
+    running_requests,
+    server_occupancy,
+)
 
 
 @pytest.fixture(scope="module")
@@ -130,6 +138,27 @@ def test_idle_beside_queue_shades_one_series_per_reason():
 
 def test_idle_beside_queue_shades_nothing_without_a_limit(roomy):
     assert [trace.name for trace in idle_beside_queue(roomy).data] == ["running", "waiting"]
+
+
+# server_occupancy ---------------------------------------------------------------------------
+
+
+def test_server_occupancy_draws_the_scraped_gauges_as_steps_over_time():
+    series = ScrapedSeries.from_samples([(0.1, 2, 3, 0.25), (0.2, 4, 1, 0.5), (0.3, 0, 0, 0.0)])
+    fig = server_occupancy(series)
+    running, waiting, kv = fig.data
+    assert [running.name, waiting.name, kv.name] == ["running", "waiting", "KV cache in use"]
+    assert {trace.line.shape for trace in fig.data} == {"hv"}
+    assert list(running.x) == list(kv.x) == [0.1, 0.2, 0.3]
+    assert list(running.y) == [2, 4, 0] and list(waiting.y) == [3, 1, 0] and list(kv.y) == [0.25, 0.5, 0.0]
+    assert kv.yaxis == "y2" and running.yaxis == waiting.yaxis == "y"  # KV usage in a panel of its own
+    assert "nothing scraped" not in fig.layout.title.text
+
+
+def test_server_occupancy_of_a_server_without_metrics_says_so():
+    fig = server_occupancy(ScrapedSeries.from_samples([]), title="replay")
+    assert fig.layout.title.text == "replay<br><sup>nothing scraped: the server has no /metrics</sup>"
+    assert [len(trace.x) for trace in fig.data] == [0, 0, 0]
 
 
 # pool_sweep ---------------------------------------------------------------------------------

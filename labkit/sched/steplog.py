@@ -74,7 +74,22 @@ class _Segment(NamedTuple):
     arrivals: np.ndarray | None  # arrival times of requests that join the queue during the steps
 
 
-class StepLog:
+class RequestTimes:
+    """TTFT and end-to-end latency of each request, from its arrival (queueing included), for a
+    log with per-request `first_token_at` and `finished_at` times; NaN for a request not done."""
+
+    @property
+    def ttft(self) -> np.ndarray:
+        """Time to first token, from arrival (queueing included)."""
+        return self.first_token_at - self.trace.arrivals
+
+    @property
+    def latency(self) -> np.ndarray:
+        """End-to-end seconds from arrival to the last token."""
+        return self.finished_at - self.trace.arrivals
+
+
+class StepLog(RequestTimes):
     """Per-step slot occupancy, queue and timing, and per-request milestones."""
 
     def __init__(self, trace: Trace, num_slots: int, policy: str):
@@ -350,12 +365,4 @@ class StepLog:
         """Seconds from arrival to admission."""
         return self.admitted_at - self.trace.arrivals
 
-    @property
-    def ttft(self) -> np.ndarray:
-        """Time to first token, from arrival (queueing included)."""
-        return self.first_token_at - self.trace.arrivals
 
-    @property
-    def latency(self) -> np.ndarray:
-        """End-to-end seconds from arrival to the last token."""
-        return self.finished_at - self.trace.arrivals

@@ -61,7 +61,8 @@ def make_app(online: OnlineEngine, model_name: str) -> FastAPI:
     async def lifespan(app: FastAPI):
         online.start_thread()
         yield
-        await asyncio.to_thread(online.stop)
+        num_aborted = await asyncio.to_thread(online.stop)
+        print(f"labkit serve: stopped after {len(online.step_sizes)} steps; {num_aborted} requests aborted", flush=True)
 
     app = FastAPI(title="labkit serve", lifespan=lifespan)
 

@@ -104,6 +104,7 @@ class OnlineEngine:
         self._stopping = False
         self._next_index = 0
         self._thread: threading.Thread | None = None
+        self.num_aborted_at_stop = 0
 
     def now(self) -> float:
         return time.perf_counter() - self.start
@@ -136,13 +137,15 @@ class OnlineEngine:
         self._thread = threading.Thread(target=self.run, name="labkit-engine", daemon=True)
         self._thread.start()
 
-    def stop(self) -> None:
-        """Take no more requests, abort the ones in flight, and let the loop end."""
+    def stop(self) -> int:
+        """Take no more requests, abort the ones in flight, and let the loop end; returns how
+        many were aborted."""
         with self._wake:
             self._stopping = True
             self._wake.notify()
         if self._thread is not None:
             self._thread.join()
+        return self.num_aborted_at_stop
 
     def _check(self, prompt_ids: list[int], max_tokens: int) -> None:
         vocab_size, max_seq_len = self.engine.config.vocab_size, self.engine.config.max_seq_len
@@ -254,6 +257,7 @@ class OnlineEngine:
 
     def _abort_everyone(self) -> None:
         """On stop: every request still waiting or running is aborted, and every slot freed."""
+        self.num_aborted_at_stop = len(self._clients)
         for index in list(self._clients):
             self._abort(index)
         self.state.apply(Decision(release=tuple(r.id for r in self.state.finished_in_slots())))

@@ -45,14 +45,11 @@ def build_server(engine, policy, model_name: str = DEFAULT_MODEL_NAME):
     return make_app(online, model_name), online
 
 
-def add_serve_parser(commands, whole_number, positive_number) -> argparse.ArgumentParser:
-    parser = commands.add_parser(
-        "serve", help="serve TinyGPT behind an OpenAI-compatible API, with continuous batching",
-        description="Serve TinyGPT over HTTP (POST /v1/completions, GET /v1/models, /health, /metrics), "
-        "scheduling every step with a labkit policy.",
-    )
+def add_policy_knobs(parser, whole_number, positive_number, slots: int | None) -> None:
+    """The policy's knobs, under the names `labkit serve` gives them; `slots` is --slots' default."""
     parser.add_argument("--policy", choices=POLICIES, default="continuous", help="the scheduling policy (default continuous)")
-    parser.add_argument("--slots", type=whole_number(1), default=8, help="requests that may run at once (default 8)")
+    slots_help = f"default {slots}" if slots else "no default: without it, nothing is predicted"
+    parser.add_argument("--slots", type=whole_number(1), default=slots, help=f"requests that may run at once ({slots_help})")
     parser.add_argument("--blocks", type=whole_number(1), default=None, help="KV blocks in the pool (default: enough "
                         "for every slot to hold the longest sequence)")
     parser.add_argument("--block-size", type=whole_number(1), default=16, help="tokens per KV block (default 16)")
@@ -61,6 +58,15 @@ def add_serve_parser(commands, whole_number, positive_number) -> argparse.Argume
     parser.add_argument("--chunked-prefill", action="store_true", help="let a prompt be split over steps")
     parser.add_argument("--timeout", type=positive_number, default=0.05, help="--policy dynamic: seconds a batch may "
                         "wait to fill (default 0.05)")
+
+
+def add_serve_parser(commands, whole_number, positive_number) -> argparse.ArgumentParser:
+    parser = commands.add_parser(
+        "serve", help="serve TinyGPT behind an OpenAI-compatible API, with continuous batching",
+        description="Serve TinyGPT over HTTP (POST /v1/completions, GET /v1/models, /health, /metrics), "
+        "scheduling every step with a labkit policy.",
+    )
+    add_policy_knobs(parser, whole_number, positive_number, slots=8)
     parser.add_argument("--device", default="auto", metavar="{auto,cpu,cuda,mps}", help="where the model runs")
     parser.add_argument("--threads", type=whole_number(1), default=None, help="torch CPU threads")
     parser.add_argument("--seed", type=whole_number(0), default=0, help="seed of the model's weights (default 0)")

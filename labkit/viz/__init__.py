@@ -19,9 +19,17 @@ from labkit.viz.figures import (
 )
 from labkit.viz.costs import step_breakdown, step_time_curve
 from labkit.viz.lanes import LaneExplorer, lane_timeline, overlap_speedup_curve
-from labkit.viz.latency import TradeoffPoint, goodput_bars, latency_tradeoff, pareto_optimal, step_times, tradeoff_point
+from labkit.viz.latency import (
+    TradeoffPoint,
+    goodput_bars,
+    latency_tradeoff,
+    pareto_optimal,
+    predicted_against_measured,
+    step_times,
+    tradeoff_point,
+)
 from labkit.viz.live import LiveSlotDiagram
-from labkit.viz.memory import pool_sweep, pool_usage, preemption_steps, running_requests
+from labkit.viz.memory import pool_sweep, pool_usage, preemption_steps, running_requests, server_occupancy
 from labkit.viz.stepper import ScheduleStepper, progress_text
 
 __all__ = [
@@ -32,10 +40,12 @@ __all__ = [
     "goodput_bars",
     "latency_tradeoff",
     "pareto_optimal",
+    "predicted_against_measured",
     "pool_sweep",
     "pool_usage",
     "preemption_steps",
     "running_requests",
+    "server_occupancy",
     "step_times",
     "tradeoff_point",
     "clipped_bars",

@@ -20,9 +20,10 @@ from typing import NamedTuple
 
 import numpy as np
 import plotly.graph_objects as go
+from plotly.subplots import make_subplots
 
 from labkit.sched import StepLog, metrics
-from labkit.viz.figures import GRID
+from labkit.viz.figures import GRID, PALETTE
 
 RTOL = 0.01  # differences within 1% of a value are ties: noise, not a trade-off
 LABEL_POSITIONS = ("top center", "bottom center", "middle right", "middle left")
@@ -179,4 +180,27 @@ def goodput_bars(goodput: dict[str, float], offered: float | None = None, slo: s
     fig.update_layout(title=f"Goodput{': ' + slo if slo else ''}", height=360, plot_bgcolor="white")
     fig.update_xaxes(type="category")
     fig.update_yaxes(title="requests/s meeting every SLO", rangemode="tozero", gridcolor=GRID)
+    return fig
+
+
+def predicted_against_measured(predicted, measured, title: str | None = None) -> go.Figure:
+    """Each request's TTFT and end-to-end latency, predicted (x) against measured (y), in ms, one
+    panel each; the diagonal is a perfect prediction. Both logs list the same requests in the
+    same order (a simulation of the trace a replay sent, say)."""
+    if len(predicted.trace) != len(measured.trace) or not np.array_equal(predicted.trace.ids, measured.trace.ids):
+        raise ValueError("predicted and measured must cover the same requests, in the same order")
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("TTFT", "end-to-end latency"), horizontal_spacing=0.12)
+    for column, metric in enumerate(("ttft", "latency"), start=1):
+        x, y = 1000 * getattr(predicted, metric), 1000 * getattr(measured, metric)
+        reach = float(np.nanmax(np.concatenate([x, y]))) * 1.05
+        fig.add_trace(go.Scatter(x=[0, reach], y=[0, reach], mode="lines", line=dict(color="grey", dash="dot"),
+                                 name="measured = predicted", showlegend=column == 1), row=1, col=column)
+        fig.add_trace(go.Scatter(x=x, y=y, mode="markers", name="a request", showlegend=column == 1,
+                                 marker=dict(color=PALETTE[0], size=8), text=[f"request {i}" for i in measured.trace.ids],
+                                 hovertemplate="%{text}<br>predicted %{x:.0f} ms<br>measured %{y:.0f} ms"),
+                      row=1, col=column)
+        fig.update_xaxes(title="predicted (ms)", range=[0, reach], gridcolor=GRID, row=1, col=column)
+        fig.update_yaxes(title="measured (ms)", range=[0, reach], gridcolor=GRID, row=1, col=column)
+    fig.update_layout(title=title or "Each request, predicted against measured", height=420, plot_bgcolor="white",
+                      legend=dict(orientation="h", y=-0.25))
     return fig

@@ -1,12 +1,15 @@
-"""Memory figures: the KV block pool step by step, preemptions, idle slots beside a queue, and a
-sweep of pool sizes.
+"""Memory figures: the KV block pool step by step, preemptions, idle slots beside a queue, a
+sweep of pool sizes, and a real server's own occupancy during a replay.
 
 Invariants:
 
-- every figure is a pure function of its arguments: a `StepLog`, a dict of them, or
-  plain numbers; nothing here runs a simulator, changes a log or keeps state between calls;
+- every figure is a pure function of its arguments: a `StepLog`, a dict of them, a
+  replay's `ScrapedSeries`, or plain numbers; nothing here runs a simulator or a replay,
+  changes a log or keeps state between calls;
 - step s covers [s, s+1) on the x axis ("step"), as in `slot_diagram`, so the figures
   line up with it; per-step values are drawn as steps (`line_shape="hv"`);
+- `server_occupancy` draws a replay's scraped gauges against seconds on the trace's clock
+  instead, each value held from its scrape to the next, as the series records them;
 - blocks are drawn exactly as the log records them (`StepLog.num_blocks_used`);
 - `preemption_steps(log)` lists every preemption the log records (`log.preempted_at`):
   its length is `log.num_preemptions`, and it names each request as often as
@@ -16,6 +19,7 @@ Invariants:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import plotly.graph_objects as go
@@ -23,6 +27,9 @@ from plotly.subplots import make_subplots
 
 from labkit.sched import StepLog
 from labkit.viz.figures import GRID, PALETTE
+
+if TYPE_CHECKING:
+    from labkit.serve.replay import ScrapedSeries
 
 
 def preemption_steps(log: StepLog) -> list[tuple[int, int]]:
@@ -84,6 +91,26 @@ def running_requests(logs: dict[str, StepLog], title: str | None = None) -> go.F
     fig.update_layout(title=title or "Requests running per step", height=350, plot_bgcolor="white")
     fig.update_xaxes(title="step", rangemode="tozero", gridcolor=GRID)
     fig.update_yaxes(title="requests running", rangemode="tozero", gridcolor=GRID)
+    return fig
+
+
+def server_occupancy(series: ScrapedSeries, title: str | None = None) -> go.Figure:
+    """A server's requests running and waiting (top) and its KV cache usage (bottom) over a
+    replay, as scraped from its /metrics (`ReplayLog.server`)."""
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.08, row_heights=[0.6, 0.4])
+    for i, (name, values) in enumerate((("running", series.running), ("waiting", series.waiting))):
+        fig.add_trace(go.Scatter(x=series.times, y=values, mode="lines", line_shape="hv", line_color=PALETTE[i],
+                                 name=name), row=1, col=1)
+    fig.add_trace(go.Scatter(x=series.times, y=series.kv_usage, mode="lines", line_shape="hv",
+                             line_color=PALETTE[2], name="KV cache in use"), row=2, col=1)
+    title = title or "The server's own count of who runs and who waits"
+    if not len(series):
+        title += "<br><sup>nothing scraped: the server has no /metrics</sup>"
+    fig.update_layout(title=title, height=460, plot_bgcolor="white", legend=dict(orientation="h", y=-0.2))
+    fig.update_xaxes(title="time since the replay began (s)", rangemode="tozero", row=2, col=1, gridcolor=GRID)
+    fig.update_xaxes(rangemode="tozero", row=1, col=1, gridcolor=GRID)
+    fig.update_yaxes(title="requests", rangemode="tozero", row=1, col=1, gridcolor=GRID)
+    fig.update_yaxes(title="KV cache in use", tickformat=".0%", range=[0, 1.05], row=2, col=1, gridcolor=GRID)
     return fig
 
 

@@ -1,0 +1,136 @@
+"""`labkit replay TRACE --url URL --model NAME`: send a trace to an OpenAI-compatible server at
+its arrival times and print what was measured, as `lk.metrics.table` does, and what failed.
+
+Invariants:
+
+- TRACE and its options (`--requests`, `--rate`, `--seed`) mean what they mean for `labkit demo`,
+  through `labkit.cli`'s own functions; azure-conv and CSV traces are cut to their first
+  REQUESTS requests (a remote server's length limit is its own to enforce);
+- a bad option ends in one `labkit replay: error: ...` line and exit code 2, never a
+  traceback; a replay that ran exits 0, failed requests included (they are printed);
+- importing this module loads no more than `labkit` itself does, so `labkit demo` runs without
+  the `serve` extra: the client (httpx) is imported when the command runs, and `labkit.cli`
+  when the command is built or run (it imports this module to add the command).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+
+import numpy as np
+
+import labkit as lk
+from labkit.sched import metrics
+from labkit.serve.server import add_policy_knobs, policy_from
+
+DEFAULT_URL = "http://127.0.0.1:8000"  # where `labkit serve` listens by default
+MAX_FAILURES_SHOWN = 10
+
+
+def add_replay_parser(commands) -> argparse.ArgumentParser:
+    """Add the `replay` subcommand to an argparse subparsers object; returns its parser."""
+    from labkit import cli
+
+    parser = commands.add_parser(
+        "replay",
+        help="send a trace to an OpenAI-compatible server (labkit serve, vLLM) and measure it",
+        description="Send TRACE's requests to the server at URL at their arrival times, each asking for its "
+        "output length (ignore_eos, min_tokens), stream the answers, and print tokens/s, TTFT, ITL, TPOT and "
+        "latency as lk.metrics.table does, and every failed request.",
+    )
+    parser.add_argument(
+        "trace", metavar="TRACE",
+        help=f"{', '.join(cli.BUILTIN_TRACES)} or PATH.csv[.gz], as for `labkit demo`; azure-conv and CSV "
+        "traces send their first REQUESTS requests",
+    )
+    parser.add_argument("--url", default=DEFAULT_URL, help=f"the server's base URL (default {DEFAULT_URL})")
+    parser.add_argument("--model", required=True, help="the served model's name, as GET /v1/models lists it")
+    parser.add_argument(
+        "--rate-scale", type=cli._positive_number, default=1.0,
+        help="send this many times faster than the trace's arrivals (default 1)",
+    )
+    parser.add_argument(
+        "--max-concurrency", type=cli._whole_number(1), default=None,
+        help="at most this many requests in flight (default: no limit)",
+    )
+    parser.add_argument(
+        "--requests", type=cli._whole_number(1), default=32,
+        help="requests to send (default 32); the toy trace always has its 8",
+    )
+    parser.add_argument(
+        "--rate", type=cli._positive_number, default=None,
+        help="Poisson arrivals at this many requests/s, for TRACE exponential only (default: all at t=0)",
+    )
+    parser.add_argument(
+        "--seed", type=cli._whole_number(0), default=0,
+        help="seed for the sampled trace and for prompt ids, as the engine draws them (default 0)",
+    )
+    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    prediction = parser.add_argument_group(
+        "prediction beside measurement", "with --slots, also simulate the replayed trace under the policy these "
+        "knobs describe (the server's, if you know them), timed by a CostModel fitted to TinyGPT on this machine")
+    add_policy_knobs(prediction, cli._whole_number, cli._positive_number, slots=None)
+    return parser
+
+
+def replay_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """Replay the trace `args` name against the server and print the report."""
+    from labkit.serve.replay import replay
+
+    trace, description = load_replay_trace(args, parser)
+    try:
+        log = replay(trace, url=args.url, model=args.model, rate_scale=args.rate_scale,
+                     max_concurrency=args.max_concurrency, seed=args.seed, progress=not args.no_progress)
+    except ValueError as error:
+        parser.error(str(error))
+    print(f"server: {log.url}, model {args.model}")
+    print(f"trace:  {description}, rate scale {args.rate_scale:g}")
+    print(f"        {log.trace!r}")
+    print()
+    print(metrics.table({**predicted_beside(log.trace, args, parser), "measured": log}))
+    print()
+    print_failures(log.failures, len(log.trace))
+    return 0
+
+
+def predicted_beside(trace: lk.Trace, args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
+    """{"predicted": a simulation of `trace`} when --slots asks for one, else {}. The cost model is
+    fitted to TinyGPT serving the same trace on this machine (lesson 05)."""
+    if args.slots is None:
+        return {}
+    from labkit.engine import Engine
+
+    try:
+        policy = policy_from(args)
+    except ValueError as error:
+        parser.error(str(error))
+    fit = lk.CostModel.fit(Engine(seed=args.seed).run(trace, policy, progress=False))
+    print(f"predicted with {policy!r}, {fit}")
+    return {"predicted": lk.simulate(trace, policy, cost=fit.model)}
+
+
+def load_replay_trace(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[lk.Trace, str]:
+    """The trace TRACE names and one line saying where it came from; a bad one ends in `parser.error`."""
+    from labkit import cli
+
+    if args.rate is not None and args.trace != "exponential":
+        parser.error("argument --rate: only TRACE exponential samples arrivals; "
+                     "toy, azure-conv and CSV traces keep their own")
+    try:
+        if args.trace in ("toy", "exponential"):
+            return cli.load_trace(args, engine=None)  # neither needs an engine to check lengths
+        source = lk.Trace.azure_conv() if args.trace == "azure-conv" else lk.Trace.from_csv(args.trace)
+    except (OSError, ValueError, csv.Error) as error:
+        parser.error(f"argument TRACE: {cli._trace_error(args.trace, error)}")
+    count = min(args.requests, len(source))
+    return source.select(np.arange(count)), f"{args.trace}: the first {count} requests, at their own arrival times"
+
+
+def print_failures(failures: list[tuple[int, str]], num_requests: int) -> None:
+    """How many requests failed, and the first MAX_FAILURES_SHOWN messages."""
+    print(f"failed: {len(failures)} of {num_requests} requests")
+    for _, message in failures[:MAX_FAILURES_SHOWN]:
+        print(f"  {message}")
+    if len(failures) > MAX_FAILURES_SHOWN:
+        print(f"  ... and {len(failures) - MAX_FAILURES_SHOWN} more")
