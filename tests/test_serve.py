@@ -339,3 +339,30 @@ def _count_streamed(url: str, max_tokens: int) -> int:
     except httpx.HTTPError:
         pass
     return tokens
+
+
+@pytest.mark.parametrize("policy", [
+    lk.Static(num_slots=2),
+    lk.Static(num_slots=3, num_blocks=20, block_size=4),
+    lk.Dynamic(num_slots=4, timeout=0.05),
+    lk.Continuous(num_slots=2, num_blocks=12, block_size=4, victim="longest"),  # preempts
+], ids=repr)
+def test_every_policy_serves_online_with_engine_run_tokens(policy):
+    from labkit.serve.online import Client, OnlineEngine
+
+    engine = Engine(TINY, device="cpu", seed=0, threads=1)
+    trace = lk.Trace.from_lengths([5, 1, 9, 3, 7, 2], prompt_lengths=[3, 0, 12, 1, 20, 6])
+    reference = engine.run(trace, lk.Continuous(num_slots=3), progress=False)
+    online = OnlineEngine(engine, policy)
+    online.start_thread()
+    received, finished = {}, threading.Semaphore(0)
+    try:
+        for rid, prompt_len, length in zip(trace.ids, trace.prompt_lengths, trace.output_lengths):
+            received[int(rid)] = []
+            prompt = engine.prompt_ids(int(rid), int(prompt_len))[1:]
+            online.submit(prompt, int(length), Client(received[int(rid)].append, lambda reason: finished.release()))
+        assert all(finished.acquire(timeout=20) for _ in trace.ids)
+        assert received == reference.outputs
+        assert wait_until(lambda: online.blocks.num_free_blocks == online.blocks.num_blocks)
+    finally:
+        online.stop()
