@@ -53,14 +53,12 @@ class Client:
     last_token_at: float | None = None
 
 
-class StepRecorder:
-    """What `TorchSteps` records about each step, kept only as the last step's host and device seconds."""
-
-    def __init__(self):
-        self.host_seconds = self.device_seconds = 0.0
+class NoRecord:
+    """Takes what `TorchSteps` records about each step (phases, host and device time, lanes, KV
+    reads) and keeps none of it: a server's log would grow without end; /metrics is its record."""
 
     def record_host_device(self, host: float, device: float) -> None:
-        self.host_seconds, self.device_seconds = host, device
+        pass
 
     def record_phases(self, **seconds: float) -> None:
         pass
@@ -200,7 +198,7 @@ class OnlineEngine:
 
     def _step(self, batch) -> None:
         self.state.grow(batch, 1)
-        self.steps.execute(self.state, batch, 1, StepRecorder())
+        self.steps.execute(self.state, batch, 1, NoRecord())
         self.step_sizes.append(batch.size)
         for request, _ in batch.rows(self.state):
             self._send_new_tokens(request.index)
