@@ -145,12 +145,15 @@ class Trace:
         burstiness: float = 1.0,
         sigma: float = 1.0,
         seed: int = 0,
+        max_output: int | None = None,
     ) -> Trace:
         """Draw a trace with numpy's seeded Generator.
 
         output: "exponential" (geometric, the memoryless discrete kind, mean `mean_output`),
             "uniform" (1 .. 2*mean-1), "equal" (every length `mean_output`),
             "lognormal" (shape `sigma`, mean `mean_output`), or a Trace to resample from (empirical).
+        max_output: outputs longer than this are drawn again, so the distribution is capped
+            by rejection (as Anyscale's continuous-batching benchmark draws); None: no cap.
         prompt: "uniform" (0 .. 2*mean_prompt), "equal", "none", or a Trace to resample from.
         rate: requests per second, with gamma inter-arrival times of shape `burstiness`
             (1 is Poisson, below 1 is burstier); None puts every arrival at t=0.
@@ -159,7 +162,7 @@ class Trace:
             raise ValueError(f"num_requests = {num_requests!r}: must be a whole number >= 1")
         rng = np.random.default_rng(seed)
         return cls.from_lengths(
-            _draw_outputs(rng, num_requests, output, mean_output, sigma),
+            _draw_capped_outputs(rng, num_requests, output, mean_output, sigma, max_output),
             prompt_lengths=_draw_prompts(rng, num_requests, prompt, mean_prompt),
             arrivals=_draw_arrivals(rng, num_requests, rate, burstiness),
         )
@@ -245,6 +248,27 @@ def _timestamp(text) -> np.datetime64:
 def _check_mean(name: str, mean: float, minimum: float) -> None:
     if not np.isfinite(mean) or mean < minimum:
         raise ValueError(f"{name} = {mean!r}: must be a finite number >= {minimum}")
+
+
+MAX_REDRAWS = 1000  # rounds of redrawing too-long outputs before giving up on a cap
+
+
+def _draw_capped_outputs(rng: np.random.Generator, count: int, output, mean: float, sigma: float,
+                         max_output: int | None) -> np.ndarray:
+    """`_draw_outputs`, with every output above `max_output` drawn again until none is."""
+    lengths = _draw_outputs(rng, count, output, mean, sigma)
+    if max_output is None:
+        return lengths
+    if isinstance(max_output, bool) or not isinstance(max_output, (int, np.integer)) or max_output < 1:
+        raise ValueError(f"max_output = {max_output!r}: must be a whole number >= 1, or None")
+    for _ in range(MAX_REDRAWS):
+        too_long = lengths > max_output
+        if not too_long.any():
+            return lengths
+        lengths[too_long] = _draw_outputs(rng, int(too_long.sum()), output, mean, sigma)
+    raise ValueError(f"max_output = {max_output}: after {MAX_REDRAWS} rounds of redrawing, {int(too_long.sum())} "
+                     f"outputs of {count} are still longer; the distribution (mean_output = {mean}) rarely "
+                     "draws that short")
 
 
 def _draw_outputs(rng: np.random.Generator, count: int, output, mean: float, sigma: float) -> np.ndarray:

@@ -332,3 +332,47 @@ def test_str_gives_readable_units():
     lines = str(OVERLAPPED).splitlines()
     assert lines[1].strip() == "host 500 µs/step + 100 µs/request + 2 µs/token;"
     assert lines[2].strip() == "overlapped: max(host, device) + 100 µs"
+
+
+# scaled: the same work on a slower implementation
+
+
+@pytest.mark.parametrize("model", [TRUTH, HOSTED, OVERLAPPED], ids=["device", "turns", "overlap"])
+@pytest.mark.parametrize("factor", [0.5, 2, 3.0])
+def test_scaled_multiplies_every_coefficient(model, factor):
+    scaled = model.scaled(factor)
+    assert isinstance(scaled, CostModel)
+    for field in fields(CostModel):
+        if field.name == "overlap":
+            assert scaled.overlap is model.overlap
+        else:
+            assert getattr(scaled, field.name) == getattr(model, field.name) * factor
+    assert model.scaled(1) == model
+
+
+@pytest.mark.parametrize("model", [TRUTH, HOSTED, OVERLAPPED], ids=["device", "turns", "overlap"])
+def test_scaled_steps_take_factor_times_as_long(model):
+    prefill, decode, kv = synthetic_steps(50, seed=4)
+    requests = decode + (prefill > 0)
+    seconds = model.step_seconds(prefill, decode, kv, requests)
+    # a power of two scales every sum and max without rounding
+    assert model.scaled(4).step_seconds(prefill, decode, kv, requests).tolist() == (4 * seconds).tolist()
+    np.testing.assert_allclose(model.scaled(3).step_seconds(prefill, decode, kv, requests), 3 * seconds, rtol=1e-12)
+    # a backlog runs the same steps, each four times as long
+    base = lk.simulate(ARRIVING.backlogged(), BUDGETED, cost=model)
+    slow = lk.simulate(ARRIVING.backlogged(), BUDGETED, cost=model.scaled(4))
+    assert slow.slots.tolist() == base.slots.tolist()
+    assert slow.step_seconds.tolist() == (4 * base.step_seconds).tolist()
+    assert slow.duration == 4 * base.duration
+
+
+def test_scaling_changes_the_price():
+    """Negative control: a scaled model is not the model it came from."""
+    assert TRUTH.scaled(3) != TRUTH
+    assert TRUTH.scaled(3).step_seconds(0, 4, 100) != TRUTH.step_seconds(0, 4, 100)
+
+
+@pytest.mark.parametrize("factor", [0, -1, math.nan, math.inf, True, "2"])
+def test_a_bad_factor_is_named(factor):
+    with pytest.raises(ValueError, match=r"factor = .*must be a finite number > 0"):
+        TRUTH.scaled(factor)

@@ -161,3 +161,62 @@ def test_bad_csv_says_which_column_or_row(tmp_path, body, message):
     path.write_text(body)
     with pytest.raises(ValueError, match=message):
         lk.Trace.from_csv(path)
+
+
+# max_output: a cap by rejection
+
+
+def test_a_cap_no_draw_reaches_leaves_the_trace_as_it_was():
+    plain = lk.Trace.sample(200, mean_output=16, mean_prompt=8, rate=2.0, seed=4)
+    capped = lk.Trace.sample(200, mean_output=16, mean_prompt=8, rate=2.0, seed=4,
+                             max_output=int(plain.output_lengths.max()))
+    assert capped.output_lengths.tolist() == plain.output_lengths.tolist()
+    assert capped.prompt_lengths.tolist() == plain.prompt_lengths.tolist()
+    assert capped.arrivals.tolist() == plain.arrivals.tolist()
+
+
+def test_a_cap_below_some_draws_redraws_them():
+    """Negative control of the comparison above: a cap one below the longest draw changes the trace."""
+    plain = lk.Trace.sample(200, mean_output=16, seed=4)
+    cap = int(plain.output_lengths.max()) - 1
+    capped = lk.Trace.sample(200, mean_output=16, seed=4, max_output=cap)
+    assert capped.output_lengths.max() <= cap
+    assert capped.output_lengths.tolist() != plain.output_lengths.tolist()
+    kept = plain.output_lengths <= cap
+    assert capped.output_lengths[kept].tolist() == plain.output_lengths[kept].tolist()  # only the long ones redrawn
+
+
+def test_a_capped_exponential_is_the_truncated_geometric():
+    cap, mean = 32, 128
+    plain = lk.Trace.sample(20_000, mean_output=mean, seed=2)
+    capped = lk.Trace.sample(20_000, mean_output=mean, seed=2, max_output=cap)
+    assert capped.output_lengths.max() == cap and capped.output_lengths.min() >= 1
+    assert capped.output_lengths.mean() < plain.output_lengths.mean()
+    # rejection keeps the shape below the cap: P(k) ∝ (1 - p)^(k - 1) for k <= cap
+    k = np.arange(1, cap + 1)
+    weights = (1 - 1 / mean) ** (k - 1)
+    assert capped.output_lengths.mean() == pytest.approx((k * weights).sum() / weights.sum(), rel=0.02)
+    counts = np.bincount(capped.output_lengths, minlength=cap + 1)[1:]
+    np.testing.assert_allclose(counts / counts.sum(), weights / weights.sum(), atol=0.005)
+
+
+@pytest.mark.parametrize("output", ["exponential", "uniform", "lognormal"])
+def test_every_capped_output_is_at_most_the_cap(output):
+    trace = lk.Trace.sample(2_000, output=output, mean_output=40, seed=3, max_output=np.int64(25))
+    assert 1 <= trace.output_lengths.min() and trace.output_lengths.max() <= 25
+
+
+def test_an_empirical_source_can_be_capped():
+    source = lk.Trace.from_lengths([3, 11, 40])
+    assert set(lk.Trace.sample(300, output=source, max_output=11, seed=0).output_lengths.tolist()) == {3, 11}
+
+
+@pytest.mark.parametrize("cap", [0, -1, 2.5, True, "8"])
+def test_a_bad_cap_is_named(cap):
+    with pytest.raises(ValueError, match=f"max_output = {cap!r}: must be a whole number >= 1"):
+        lk.Trace.sample(10, max_output=cap)
+
+
+def test_a_cap_nothing_can_meet_fails_rather_than_hangs():
+    with pytest.raises(ValueError, match="max_output = 10: after .* rounds of redrawing, 5 outputs of 5"):
+        lk.Trace.sample(5, output="equal", mean_output=50, max_output=10)

@@ -38,6 +38,7 @@ MIN_NUM_STEPS = 8  # fewer steps than this cannot train 4 coefficients and test 
 NUM_COEFFICIENTS = 4  # overhead, per_prefill_token, per_decode_token, per_kv_token
 DEVICE_TERMS = ("overhead", "per_prefill_token", "per_decode_token", "per_kv_token")
 HOST_TERMS = ("host_overhead", "host_per_request", "host_per_token")
+MAX_LINE = 100  # characters of one printed line
 
 
 @dataclass(frozen=True)
@@ -71,8 +72,11 @@ class CostModel:
 
     def __str__(self) -> str:
         """The coefficients in readable units, three significant digits."""
-        device = (f"device {_ms(self.overhead)}/step + {_ms(self.per_prefill_token)}/prompt token + "
-                  f"{_ms(self.per_decode_token)}/decode token + {_ms(self.per_kv_token)}/KV token read")
+        terms = [f"device {_ms(self.overhead)}/step", f"{_ms(self.per_prefill_token)}/prompt token",
+                 f"{_ms(self.per_decode_token)}/decode token", f"{_ms(self.per_kv_token)}/KV token read"]
+        device = " + ".join(terms)
+        if len(f"CostModel: {device};") > MAX_LINE:  # the KV term on a line of its own, so a notebook shows it whole
+            device = " + ".join(terms[:3]) + "\n           + " + terms[3]
         if not self.has_host_terms and not self.overlap:
             return f"CostModel: {device}"
         host = (f"host {_ms(self.host_overhead)}/step + {_ms(self.host_per_request)}/request + "
@@ -80,6 +84,12 @@ class CostModel:
         how = (f"overlapped: max(host, device) + {_ms(self.overlap_exposed)}" if self.overlap
                else "taking turns: host + device")
         return f"CostModel: {device};\n           {host};\n           {how}"
+
+    def scaled(self, factor: float) -> CostModel:
+        """Every time coefficient times `factor`: the same work on an implementation `factor` times slower."""
+        if isinstance(factor, bool) or not isinstance(factor, Real) or not math.isfinite(factor) or factor <= 0:
+            raise ValueError(f"factor = {factor!r}: must be a finite number > 0")
+        return replace(self, **{f.name: getattr(self, f.name) * factor for f in fields(self) if f.name != "overlap"})
 
     @cached_property
     def has_host_terms(self) -> bool:
