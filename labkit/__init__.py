@@ -8,7 +8,8 @@ Importing labkit loads numpy only; `labkit.viz` loads plotly and ipywidgets, and
 import importlib
 
 from labkit import theory
-from labkit.sched import Continuous, CostModel, Decision, Dynamic, SchedulerState, Static, StepLog, metrics, simulate
+from labkit.sched import (Continuous, CostModel, Decision, Dynamic, SchedulerState, Static, StepLog, hardware, metrics,
+                          multiplier, simulate)
 from labkit.traffic import Trace
 
 __all__ = [
@@ -20,7 +21,9 @@ __all__ = [
     "Static",
     "StepLog",
     "Trace",
+    "hardware",
     "metrics",
+    "multiplier",
     "replay",
     "simulate",
     "theory",

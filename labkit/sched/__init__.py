@@ -1,6 +1,6 @@
 """labkit.sched: every scheduling decision and every counter. Imports numpy and labkit.traffic only."""
 
-from labkit.sched import metrics
+from labkit.sched import hardware, metrics, multiplier
 from labkit.sched.blocks import BlockPool
 from labkit.sched.cost import CostFit, CostModel
 from labkit.sched.driver import drive
@@ -22,6 +22,8 @@ __all__ = [
     "Static",
     "StepLog",
     "drive",
+    "hardware",
     "metrics",
+    "multiplier",
     "simulate",
 ]

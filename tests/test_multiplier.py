@@ -1,0 +1,319 @@
+"""A headline multiplier taken apart: exact factors on the toy trace, the product invariant,
+factors built independently from the policies, bad memory, and the two figures."""
+
+import math
+from functools import partial
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import labkit as lk
+from labkit.engine import Engine, ModelConfig
+from labkit.sched.multiplier import KINDS, Memory, Multiplier, predict, take_apart
+
+TOY = lk.Trace.from_lengths([2, 6, 3, 8, 2, 4, 5, 2])
+TOY_MEMORY = Memory(pool_tokens=16, reserve_tokens=8, max_slots=8, block_size=1)  # B0 = 2; the paged pool holds 16
+COST = lk.CostModel(overhead=2e-3, per_prefill_token=1e-4, per_decode_token=3e-4, per_kv_token=2e-7)
+TINY = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, d_ff=64, max_seq_len=64)
+
+
+def product(m: Multiplier) -> float:
+    return math.prod(f.value for f in m.factors)
+
+
+def by_hand(trace, memory, run=lk.simulate):
+    """The three schedules' logs, from policies built here rather than by `Memory.policies`."""
+    b0 = memory.baseline_slots or memory.pool_tokens // memory.reserve_tokens
+    return (run(trace, lk.Static(num_slots=b0)), run(trace, lk.Continuous(num_slots=b0)),
+            run(trace, lk.Continuous(num_slots=memory.max_slots, num_blocks=memory.pool_tokens // memory.block_size,
+                                     block_size=memory.block_size)))
+
+
+# the toy trace: the lab's canonical numbers
+
+
+def test_toy_refill_is_23_over_17_and_step_cost_is_one():
+    m = take_apart(TOY, TOY_MEMORY, lk.simulate)
+    assert m.baseline == "static"
+    assert [f.kind for f in m.factors] == ["refill", "memory", "step cost"]  # no baseline: no implementation factor
+    assert {name: log.num_steps for name, log in m.runs.items()} == {"static": 23, "continuous": 17, "paged": 8}
+    assert m.factor("refill") == 23 / 17
+    assert m.factor("memory") == 17 / 8
+    assert m.factor("implementation") == 1  # the empty product
+    assert math.isclose(m.factor("step cost"), 1.0, rel_tol=1e-12)
+    assert math.isclose(m.total, m.factor("refill") * m.factor("memory"), rel_tol=1e-12)
+    assert math.isclose(product(m), m.total, rel_tol=1e-12)
+
+
+def test_step_cost_is_exactly_one_when_step_times_sum_exactly():
+    """A step time of 1 s sums without rounding, so every ratio is exact."""
+    m = take_apart(TOY, TOY_MEMORY, partial(lk.simulate, step_time=1.0))
+    assert m.factor("step cost") == 1.0
+    assert m.total == 23 / 8
+    assert m.factor("refill") * m.factor("memory") == 23 / 8
+
+
+def test_the_toy_factors_depend_on_the_slots():
+    """Negative control: the step counts the factors are built from change with the baseline's slots."""
+    assert lk.simulate(TOY, lk.Continuous(num_slots=3)).num_steps != 17
+    wider = take_apart(TOY, Memory(pool_tokens=24, reserve_tokens=8, max_slots=8, block_size=1), lk.simulate)
+    assert wider.factor("refill") != 23 / 17
+
+
+def test_a_step_cost_model_moves_step_cost_off_one():
+    """Negative control of step cost == 1: priced by work, the paged run's fuller steps cost more."""
+    m = take_apart(TOY, TOY_MEMORY, partial(lk.simulate, cost=COST))
+    assert m.factor("step cost") < 1
+    assert m.factor("refill") == 23 / 17 and m.factor("memory") == 17 / 8  # steps do not depend on prices
+    assert math.isclose(product(m), m.total, rel_tol=1e-12)
+
+
+def test_policies_are_the_three_schedules():
+    assert TOY_MEMORY.policies() == {
+        "static": lk.Static(num_slots=2),
+        "continuous": lk.Continuous(num_slots=2),
+        "paged": lk.Continuous(num_slots=8, num_blocks=16, block_size=1),
+    }
+    capped = Memory(pool_tokens=64, reserve_tokens=8, max_slots=8, block_size=4, baseline_slots=3)
+    assert capped.num_reserved_slots == 3 and capped.num_blocks == 16
+    assert capped.policies()["static"] == lk.Static(num_slots=3)
+    assert capped.policies()["continuous"] == lk.Continuous(num_slots=3)
+
+
+# the product and the independently built factors, on random traces and pools
+
+
+@st.composite
+def cases(draw):
+    n = draw(st.integers(1, 30))
+    outputs = draw(st.lists(st.integers(1, 40), min_size=n, max_size=n))
+    prompts = draw(st.lists(st.integers(0, 20), min_size=n, max_size=n))
+    trace = lk.Trace.from_lengths(outputs, prompt_lengths=prompts)
+    longest = max(o + p for o, p in zip(outputs, prompts))
+    reserve = draw(st.integers(longest, longest + 20))
+    block_size = draw(st.integers(1, 8))
+    # a pool of whole blocks, so the paged pool holds any request that fits `reserve`
+    pool = block_size * draw(st.integers(-(-reserve // block_size), -(-reserve * 8 // block_size)))
+    b0 = pool // reserve
+    baseline_slots = draw(st.one_of(st.none(), st.integers(1, b0)))
+    max_slots = draw(st.integers(baseline_slots or b0, (baseline_slots or b0) + 12))
+    return trace, Memory(pool, reserve, max_slots=max_slots, block_size=block_size, baseline_slots=baseline_slots)
+
+
+@settings(max_examples=60, deadline=None)
+@given(case=cases(), priced=st.booleans())
+def test_factors_multiply_to_the_total_and_equal_the_hand_built_ratios(case, priced):
+    trace, memory = case
+    run = partial(lk.simulate, cost=COST) if priced else lk.simulate
+    m = take_apart(trace, memory, run)
+    assert math.isclose(product(m), m.total, rel_tol=1e-12)
+    static, continuous, paged = by_hand(trace, memory, run)
+    assert m.total == static.duration / paged.duration
+    assert m.factor("refill") == static.num_steps / continuous.num_steps
+    assert m.factor("memory") == continuous.num_steps / paged.num_steps
+    assert m.factor("refill") >= 1  # refilling never takes more steps than waiting, at the same slots
+    if abs(math.log(m.total)) > 1e-6:  # a total within rounding of 1 has no meaningful shares
+        assert math.isclose(sum(m.log_share(kind) for kind in KINDS), 1.0, rel_tol=1e-6)
+    if not priced:
+        assert math.isclose(m.factor("step cost"), 1.0, rel_tol=1e-12)
+
+
+@settings(max_examples=40, deadline=None)
+@given(length=st.integers(1, 30), prompt=st.integers(0, 10), b0=st.integers(1, 6), num_batches=st.integers(1, 5))
+def test_equal_lengths_gain_nothing_from_refill(length, prompt, b0, num_batches):
+    trace = lk.Trace.from_lengths([length] * (b0 * num_batches), prompt_lengths=[prompt] * (b0 * num_batches))
+    memory = Memory(pool_tokens=b0 * (length + prompt), reserve_tokens=length + prompt, block_size=1)
+    m = take_apart(trace, memory, lk.simulate)
+    assert m.factor("refill") == 1
+    assert m.runs["static"].num_steps == num_batches * length
+
+
+def test_unequal_lengths_do_gain_from_refill():
+    """Negative control: one longer request in the first batch, and refill gains."""
+    trace = lk.Trace.from_lengths([9, 3, 3, 3])
+    assert take_apart(trace, Memory(pool_tokens=18, reserve_tokens=9, block_size=1), lk.simulate).factor("refill") > 1
+
+
+# implementation factors
+
+
+def test_a_three_times_slower_baseline_is_an_implementation_factor_of_three():
+    m = predict(TOY, TOY_MEMORY, COST, {"slow": COST.scaled(3)})
+    assert m.baseline == "slow" and list(m.runs) == ["slow", "static", "continuous", "paged"]
+    assert [(f.kind, f.name) for f in m.factors][0] == ("implementation", "slow → labkit")
+    assert math.isclose(m.factor("implementation"), 3, rel_tol=1e-12)
+    static, _, paged = by_hand(TOY, TOY_MEMORY, partial(lk.simulate, cost=COST))
+    slow = lk.simulate(TOY, lk.Static(num_slots=2), cost=COST.scaled(3))
+    assert m.total == slow.duration / paged.duration
+    assert math.isclose(m.total, 3 * static.duration / paged.duration, rel_tol=1e-12)
+    assert math.isclose(product(m), m.total, rel_tol=1e-12)
+
+
+def test_implementation_multiplies_every_hop():
+    m = predict(TOY, TOY_MEMORY, COST, {"oldest": COST.scaled(6), "older": COST.scaled(2)}, name="mine")
+    hops = [f for f in m.factors if f.kind == "implementation"]
+    assert [f.name for f in hops] == ["oldest → older", "older → mine"]
+    assert math.isclose(hops[0].value, 3, rel_tol=1e-12) and math.isclose(hops[1].value, 2, rel_tol=1e-12)
+    assert math.isclose(m.factor("implementation"), 6, rel_tol=1e-12)
+    assert math.isclose(product(m), m.total, rel_tol=1e-12)
+    assert m.baseline == "oldest"
+
+
+def test_a_baseline_log_without_steps_is_accepted():
+    """transformers' log need not count steps: it is taken to run the static schedule."""
+    def timed(trace, policy):
+        log = lk.simulate(trace, policy)
+        return SimpleNamespace(duration=2 * log.duration, num_tokens=log.num_tokens,
+                               tokens_per_second=log.num_tokens / (2 * log.duration))
+
+    m = take_apart(TOY, TOY_MEMORY, lk.simulate, {"hf": timed})
+    assert math.isclose(m.factor("implementation"), 2, rel_tol=1e-12)
+    assert "hf" in m.run_table()
+
+
+def test_a_baseline_on_another_schedule_is_refused():
+    """Negative control of the implementation factor: a baseline that ignores the static policy."""
+    def other_schedule(trace, policy):
+        return lk.simulate(trace, lk.Static(num_slots=1))
+
+    with pytest.raises(ValueError, match="same schedule"):
+        take_apart(TOY, TOY_MEMORY, lk.simulate, {"other": other_schedule})
+
+
+def test_a_run_that_serves_fewer_tokens_is_refused():
+    def short(trace, policy):
+        return lk.simulate(lk.Trace.from_lengths(np.maximum(trace.output_lengths - 1, 1)), policy)
+
+    with pytest.raises(ValueError, match="served 24 tokens, not the trace's 32"):
+        take_apart(TOY, TOY_MEMORY, short)
+    with pytest.raises(ValueError, match="run 'short' served 24 tokens"):
+        take_apart(TOY, TOY_MEMORY, lk.simulate, {"short": short})
+
+
+def test_a_baseline_named_after_a_schedule_is_refused():
+    with pytest.raises(ValueError, match="names a schedule's run"):
+        take_apart(TOY, TOY_MEMORY, lk.simulate, {"static": lk.simulate})
+
+
+# bad memory
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: Memory(pool_tokens=7, reserve_tokens=8), "pool_tokens = 7"),
+        (lambda: Memory(pool_tokens=16, reserve_tokens=8, baseline_slots=3), "baseline_slots = 3: the pool holds only 2"),
+        (lambda: Memory(pool_tokens=16, reserve_tokens=8, max_slots=1), "max_slots = 1"),
+        (lambda: Memory(pool_tokens=64, reserve_tokens=8, max_slots=4, baseline_slots=5), "max_slots = 4"),
+        (lambda: Memory(pool_tokens=16.0, reserve_tokens=8), "pool_tokens = 16.0"),
+        (lambda: Memory(pool_tokens=16, reserve_tokens=True), "reserve_tokens = True"),
+        (lambda: Memory(pool_tokens=16, reserve_tokens="8"), "reserve_tokens = '8'"),
+        (lambda: Memory(pool_tokens=0, reserve_tokens=8), "pool_tokens = 0"),
+        (lambda: Memory(pool_tokens=16, reserve_tokens=0), "reserve_tokens = 0"),
+        (lambda: Memory(pool_tokens=16, reserve_tokens=8, block_size=0), "block_size = 0"),
+        (lambda: Memory(pool_tokens=16, reserve_tokens=8, max_slots=False), "max_slots = False"),
+        (lambda: Memory(pool_tokens=16, reserve_tokens=8, baseline_slots=0), "baseline_slots = 0"),
+        (lambda: Memory(pool_tokens=16, reserve_tokens=8, baseline_slots=1.5), "baseline_slots = 1.5"),
+        (lambda: take_apart(TOY, Memory(pool_tokens=16, reserve_tokens=7), lk.simulate),
+         r"reserve_tokens = 7: request 3 needs 8 tokens \(prompt 0 \+ output 8\)"),
+        (lambda: Memory(pool_tokens=64, reserve_tokens=10).check_fits(
+            lk.Trace.from_lengths([3, 6], prompt_lengths=[2, 5])), r"reserve_tokens = 10: request 1 needs 11 tokens"),
+        (lambda: take_apart(TOY, TOY_MEMORY, lk.simulate).factor("speed"), "kind = 'speed'"),
+    ],
+)
+def test_bad_input_names_the_field_and_value(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+def test_a_request_that_just_fits_is_accepted():
+    Memory(pool_tokens=64, reserve_tokens=11).check_fits(lk.Trace.from_lengths([3, 6], prompt_lengths=[2, 5]))
+
+
+# reading it
+
+
+def test_log_shares_sum_to_one_and_the_tables_fit_a_line():
+    m = predict(TOY, TOY_MEMORY, COST, {"hf": COST.scaled(3), "older": COST.scaled(2)})
+    assert math.isclose(sum(m.log_share(kind) for kind in KINDS), 1.0, rel_tol=1e-12)
+    assert math.isclose(m.log_share("refill"), math.log(23 / 17) / math.log(m.total), rel_tol=1e-12)
+    text = str(m)
+    assert max(map(len, text.splitlines())) <= 100
+    assert len(repr(m)) <= 200 and repr(m).startswith(f"Multiplier({m.total:.2f}x over hf")
+    for factor in m.factors:
+        assert factor.name in text and f"{factor.value:.2f}×" in text
+    assert f"{m.total:.2f}×" in m.factor_table()
+    assert [line.split()[0] for line in m.run_table().splitlines()[-5:]] == list(m.runs)
+
+
+def test_a_total_of_one_has_no_log_shares():
+    m = take_apart(lk.Trace.from_lengths([4]), Memory(pool_tokens=4, reserve_tokens=4, max_slots=1, block_size=1), lk.simulate)
+    assert m.total == 1
+    assert all(math.isnan(m.log_share(kind)) for kind in KINDS)
+    assert "-" in m.factor_table()
+
+
+# the engine: steps equal the simulator's, seconds are measured
+
+
+def test_the_engine_counts_the_simulators_steps():
+    trace = lk.Trace.sample(12, output="exponential", mean_output=6, max_output=20, prompt="equal", mean_prompt=4,
+                            seed=0)
+    memory = Memory(pool_tokens=72, reserve_tokens=24, max_slots=12, block_size=4)
+    engine = Engine(TINY, device="cpu", seed=0, threads=1)
+    m = take_apart(trace, memory, partial(engine.run, progress=False))
+    predicted = take_apart(trace, memory, lk.simulate)
+    assert (m.factor("refill"), m.factor("memory")) == (predicted.factor("refill"), predicted.factor("memory"))
+    assert {k: log.num_steps for k, log in m.runs.items()} == {k: log.num_steps for k, log in predicted.runs.items()}
+    static, paged = m.runs["static"], m.runs["paged"]
+    assert m.factor("step cost") == (static.duration / static.num_steps) / (paged.duration / paged.num_steps)
+    assert m.total == static.duration / paged.duration
+    assert math.isclose(product(m), m.total, rel_tol=1e-12)
+    # negative control: another trace's steps give other factors
+    other = take_apart(lk.Trace.from_lengths(trace.output_lengths[::-1], trace.prompt_lengths), memory, lk.simulate)
+    assert (other.factor("refill"), other.factor("memory")) != (m.factor("refill"), m.factor("memory"))
+
+
+# figures
+
+
+def test_the_waterfall_climbs_factor_by_factor_to_the_total():
+    m = predict(TOY, TOY_MEMORY, COST, {"hf": COST.scaled(3)})
+    assert m.factor("step cost") < 1  # one bar points down
+    fig = lk.viz.multiplier_waterfall(m)
+    assert len(fig.data) == len(m.factors) + 1
+    assert [bar.x[0].replace("<br>", " ") for bar in fig.data] == [f.name for f in m.factors] + ["total"]
+    running = 1.0
+    for bar, factor in zip(fig.data, m.factors):
+        ends = sorted([bar.base[0], bar.base[0] + bar.y[0]])
+        after = running * factor.value
+        assert ends == pytest.approx(sorted([running, after]), rel=1e-12)
+        assert bar.text[0] == f"{factor.value:.2f}×"
+        running = after
+    assert running == pytest.approx(m.total, rel=1e-12)
+    total = fig.data[-1]
+    assert (total.base[0], total.base[0] + total.y[0]) == pytest.approx((1.0, m.total), rel=1e-12)
+    assert fig.layout.yaxis.type == "log"
+
+
+def test_the_bars_stack_log_factors_to_each_total_and_star_only_published_names():
+    ms = {"toy": predict(TOY, TOY_MEMORY, COST, {"hf": COST.scaled(3)}),
+          "wider": take_apart(TOY, Memory(pool_tokens=24, reserve_tokens=8, max_slots=8, block_size=1), lk.simulate)}
+    fig = lk.viz.multiplier_bars(ms, published={"toy": 24.0})
+    bars = [t for t in fig.data if t.type == "bar"]
+    assert [bar.name for bar in bars] == list(KINDS)
+    for i, (name, m) in enumerate(ms.items()):
+        assert [bar.x[i] for bar in bars] == [name] * len(KINDS)
+        assert [bar.y[i] for bar in bars] == pytest.approx([math.log10(m.factor(kind)) for kind in KINDS], abs=1e-12)
+        assert sum(bar.y[i] for bar in bars) == pytest.approx(math.log10(m.total), abs=1e-12)
+    total, = (t for t in fig.data if t.name == "total")
+    assert list(total.y) == pytest.approx([math.log10(m.total) for m in ms.values()])
+    star, = (t for t in fig.data if t.name == "published")
+    assert list(star.x) == ["toy"] and list(star.y) == pytest.approx([math.log10(24.0)])
+    assert fig.layout.barmode == "relative"
+    unpublished = lk.viz.multiplier_bars(ms)
+    assert "published" not in [t.name for t in unpublished.data]
+    assert len(unpublished.data) == len(KINDS) + 1
