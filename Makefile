@@ -36,6 +36,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_engine.py
 	$(PY) benchmarks/bench_peers.py
 	$(PY) benchmarks/bench_host.py
+	$(PY) benchmarks/bench_multiplier.py
 
 # After editing a lesson in solutions/: execute the instructor copies, then write the student copies.
 notebooks: $(STAMP)

@@ -36,13 +36,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import ContinuousBatchingConfig, GenerationConfig, LlamaForCausalLM
-from transformers.generation.streamers import BaseStreamer
+from transformers import ContinuousBatchingConfig, GenerationConfig
 
 import labkit as lk
 from labkit.engine import Engine, ModelConfig, TinyGPT
 from labkit.engine.attention import ATTENTION_LAYOUTS
 from labkit.engine.device import default_threads
+from labkit.engine.peers import PAD, generate_static, transformers_llama
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MODEL_CONFIGS = {
@@ -50,7 +50,6 @@ MODEL_CONFIGS = {
     "tiny": ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, d_ff=64),
 }
 PAGE_SIZE = 16  # HF continuous batching's page size, labkit's default block_size
-PAD = 0  # the id left padding uses; the attention mask hides it
 
 
 @dataclass
@@ -68,38 +67,10 @@ class Run:
                 "ITL p50 (ms)": 1000 * p(self.itl, 50), "ITL p99 (ms)": 1000 * p(self.itl, 99)}
 
 
-class StepClock(BaseStreamer):
-    """`generate` hands the streamer the prompt, then each step's new tokens: note when."""
-
-    def __init__(self):
-        self.times = []
-
-    def put(self, value):
-        self.times.append(time.perf_counter())
-
-    def end(self):
-        pass
-
-
 def hf_generate(model, prompts: list[list[int]], trace: lk.Trace, batch_size: int) -> Run:
-    """Static batches in trace order, left-padded, each run for its longest output."""
-    ttft, itl, outputs = [], [], {}
-    start = time.perf_counter()
-    for first in range(0, len(trace), batch_size):
-        batch, lengths = prompts[first : first + batch_size], trace.output_lengths[first : first + batch_size]
-        width, steps = max(map(len, batch)), int(lengths.max())
-        ids = torch.tensor([[PAD] * (width - len(p)) + p for p in batch], device=model.device)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=model.device)
-        clock = StepClock()
-        tokens = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=steps, min_new_tokens=steps,
-                                eos_token_id=None, pad_token_id=PAD, streamer=clock)
-        step_times = np.array(clock.times[1:]) - start  # the first put is the prompt
-        for row, length in enumerate(lengths):
-            ttft.append(step_times[0])
-            itl.extend(np.diff(step_times[:length]))
-            outputs[int(trace.ids[first + row])] = tokens[row, width : width + length].tolist()
-    seconds = time.perf_counter() - start
-    return Run(int(trace.output_lengths.sum()) / seconds, np.array(ttft), np.array(itl), outputs)
+    """Static batches in trace order, left-padded, each run for its longest output (`generate_static`)."""
+    log = generate_static(model, prompts, trace, batch_size)
+    return Run(log.tokens_per_second, log.ttft, lk.metrics.itl(log), log.outputs)
 
 
 def hf_continuous(model, prompts: list[list[int]], trace: lk.Trace, batch_size: int) -> Run:
@@ -208,12 +179,12 @@ def main() -> None:
     args = parser.parse_args()
     config = MODEL_CONFIGS[args.model_config]
     torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config.to_hf_llama_config()).float().eval()
-    # SDPA by default: it is transformers' default on the CPU and the same fused kernel labkit's TinyGPT
-    # calls. Continuous batching takes it as is; eager is swapped for "paged|eager" there, and the flash
-    # kernels it prefers need CUDA.
-    model.set_attn_implementation(args.hf_attention)
+    model = transformers_llama(config, seed=0)
+    # SDPA by default (transformers_llama's): it is transformers' default on the CPU and the same fused
+    # kernel labkit's TinyGPT calls. Continuous batching takes it as is; eager is swapped for "paged|eager"
+    # there, and the flash kernels it prefers need CUDA.
+    if args.hf_attention != "sdpa":
+        model.set_attn_implementation(args.hf_attention)
     engine = Engine(model=TinyGPT.from_hf_llama(model, attention=args.attention), device=args.device, seed=args.seed,
                     threads=args.threads)
     model.to(engine.device)

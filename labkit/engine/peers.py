@@ -1,0 +1,99 @@
+"""Peers on the same weights: a Hugging Face Llama built from a labkit `ModelConfig`, and
+transformers' `generate` serving a trace in static batches, recorded as a `GenerateLog`.
+
+`generate` pads each batch to its longest prompt on the left and runs every row until the
+batch's longest output ends, computing the finished rows anyway: static batching as
+transformers does it. Each request gets the engine's prompt ids (`Engine.prompt_ids`) and
+emits exactly its output length (no EOS), so its greedy tokens can be compared with
+labkit's, id for id.
+
+Invariants: a `GenerateLog` is a `labkit.sched.metrics.RunLog` (per request, the time of
+every token on the run's clock, from 0 when the first batch starts), and its `num_steps`
+counts forward passes, which equals `simulate`'s steps for `Static` on the same trace.
+transformers is imported when first needed (it is in the `lab` and `test` extras).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from labkit.sched.steplog import RequestTimes
+from labkit.traffic import Trace
+
+PAD = 0  # the id left padding uses; the attention mask hides it
+
+
+def transformers_llama(config, seed: int = 0):
+    """An fp32 `LlamaForCausalLM` in eval mode with `config`'s shape (a labkit `ModelConfig`)
+    and weights drawn after `torch.manual_seed(seed)`; `TinyGPT.from_hf_llama` copies them."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config.to_hf_llama_config()).float().eval()
+    model.set_attn_implementation("sdpa")  # transformers' CPU default, and the kernel TinyGPT calls
+    return model
+
+
+class GenerateLog(RequestTimes):
+    """What `generate_static` measured: per request (indexed like `trace`) the time of each
+    token and its ids, and the number of forward passes."""
+
+    def __init__(self, trace: Trace, tokens_at: list[np.ndarray], outputs: dict[int, list[int]], num_steps: int):
+        self.trace, self.tokens_at, self.outputs, self.num_steps = trace, tokens_at, outputs, num_steps
+        self.first_token_at = np.array([t[0] for t in tokens_at])
+        self.finished_at = np.array([t[-1] for t in tokens_at])
+        self.num_tokens = int(trace.output_lengths.sum())
+
+    def __repr__(self) -> str:
+        return f"GenerateLog({len(self.trace)} requests, {self.num_steps} steps, {self.duration:.2f} s)"
+
+    @property
+    def duration(self) -> float:
+        """Seconds from the start of the first batch to the last token."""
+        return float(self.finished_at.max())
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.num_tokens / self.duration
+
+    def token_times(self) -> tuple[np.ndarray, np.ndarray]:
+        """(request ids, times) of every token, grouped by request."""
+        return np.repeat(self.trace.ids, [len(t) for t in self.tokens_at]), np.concatenate(self.tokens_at)
+
+
+def generate_static(model, prompts: list[list[int]], trace: Trace, batch_size: int) -> GenerateLog:
+    """transformers' greedy `generate` on `trace` in static batches of `batch_size`, in trace order."""
+    from transformers.generation.streamers import BaseStreamer
+
+    class StepClock(BaseStreamer):
+        """`generate` hands the streamer the prompt, then each step's new tokens: note when."""
+
+        def __init__(self):
+            self.times = []
+
+        def put(self, value):
+            self.times.append(time.perf_counter())
+
+        def end(self):
+            pass
+
+    tokens_at, outputs, num_steps = [], {}, 0
+    start = time.perf_counter()
+    for first in range(0, len(trace), batch_size):
+        batch, lengths = prompts[first : first + batch_size], trace.output_lengths[first : first + batch_size]
+        width, steps = max(map(len, batch)), int(lengths.max())
+        ids = torch.tensor([[PAD] * (width - len(p)) + p for p in batch], device=model.device)  # (B, width)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=model.device)  # (B, width)
+        clock = StepClock()
+        with torch.inference_mode():
+            tokens = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=steps,
+                                    min_new_tokens=steps, eos_token_id=None, pad_token_id=PAD, streamer=clock)
+        step_times = np.array(clock.times[1:]) - start  # (steps,): the first put is the prompt
+        num_steps += len(step_times)
+        for row, length in enumerate(lengths):
+            tokens_at.append(step_times[:length])
+            outputs[int(trace.ids[first + row])] = tokens[row, width : width + length].tolist()
+    return GenerateLog(trace, tokens_at, outputs, num_steps)
