@@ -406,3 +406,34 @@ def test_q7_expected_comes_from_the_lanes():
     assert OverlapStep(host=2.0, device=5.0).expected() == (7.0, 5.0)
     assert "faster" not in str(OverlapStep(host=2.0, device=5.0).check((7, 2)))  # the host is the faster lane
     assert "2 ms is the host's" in str(OverlapStep(host=2.0, device=5.0).check((7, 2)))
+
+
+# q8: the factor a headline leaves to the implementation
+
+
+@pytest.mark.parametrize("answer, expected, says", [
+    (24 / (2.2 * 6.0 * 0.5), True, "3.64×: 2.2 × 6 × 0.5 × 3.64 = 24"),
+    (3.6, True, "3.64×"),
+    (24 - 2.2 - 6.0 - 0.5, False, "factors multiply, they do not add"),
+    (24 / (2.2 * 6.0), False, "the fuller steps cost something too"),
+    (24 * 0.5 / (2.2 * 6.0), False, "divide by it"),
+    (2.0, False, "is not it. The headline is the product of every factor"),
+    ("3.64", False, "without quotes"),
+    (float("nan"), False, "not a finite number"),
+    (None, False, "Set the answer"),
+])
+def test_q8_grades_the_missing_factor(answer, expected, says, capsys):
+    from labkit.exercises import q8
+
+    verdict = q8.check(answer)
+    assert bool(verdict) is expected
+    assert says in str(verdict)
+
+
+def test_q8_expected_is_the_claim_divided_by_the_other_factors():
+    from labkit.exercises.multiplier import MissingFactor
+
+    question = MissingFactor(total=20.0, refill=2.0, memory=5.0, step_cost=0.5)
+    assert question.expected() == 4.0
+    assert question.check(4.0) and not question.check(2.0)  # 2.0 ignores the step cost: a named mistake
+    assert "fuller steps" in str(question.check(2.0))

@@ -29,6 +29,7 @@ from labkit.viz.latency import (
     tradeoff_point,
 )
 from labkit.viz.live import LiveSlotDiagram
+from labkit.viz.multiplier import multiplier_bars, multiplier_waterfall
 from labkit.viz.memory import pool_sweep, pool_usage, preemption_steps, running_requests, server_occupancy
 from labkit.viz.stepper import ScheduleStepper, progress_text
 
@@ -54,6 +55,8 @@ __all__ = [
     "lane_timeline",
     "length_histogram",
     "monte_carlo_convergence",
+    "multiplier_bars",
+    "multiplier_waterfall",
     "overlap_speedup_curve",
     "phase_split",
     "progress_text",

@@ -1,0 +1,96 @@
+"""Headline multipliers taken apart: a waterfall of one `labkit.sched.multiplier.Multiplier`,
+and stacked bars that set several side by side, each beside its published figure.
+
+Both draw on a log scale, where factors multiply by stacking: a factor of 2 is as tall as
+any other factor of 2, and a factor below 1 (what a gain costs) points down.
+
+Invariants: every factor is drawn with its value as its label; the bars of a multiplier
+stack to its total, which is marked and written above the bar with the published figure
+given for it, if any; nothing else is drawn.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import plotly.graph_objects as go
+
+from labkit.sched.multiplier import KINDS, Multiplier
+from labkit.viz.figures import GRID
+
+KIND_COLORS = dict(zip(KINDS, ("#4C78A8", "#54A24B", "#B279A2", "#E45756")))
+TOTAL_COLOR, PUBLISHED_COLOR = "#555555", "#F58518"
+
+
+def multiplier_waterfall(multiplier: Multiplier, title: str | None = None) -> go.Figure:
+    """From the baseline's 1× each factor lifts (or lowers) the running product; the last bar is the total."""
+    fig = go.Figure()
+    product = 1.0
+    for factor in multiplier.factors:
+        after = product * factor.value
+        fig.add_trace(go.Bar(
+            x=[factor.name.replace(" → ", " →<br>")], base=[min(product, after)], y=[abs(after - product)], name=factor.kind,
+            marker_color=KIND_COLORS[factor.kind], text=[f"{factor.value:.2f}×"], textposition="outside",
+            legendgroup=factor.kind, showlegend=factor.kind not in {t.name for t in fig.data},
+            hovertemplate=f"{factor.name}: {factor.value:.3g}× ({factor.ratio}), running product {after:.3g}×"
+                          "<extra></extra>"))
+        product = after
+    fig.add_trace(go.Bar(x=["total"], base=[1.0], y=[multiplier.total - 1.0], name="total", marker_color=TOTAL_COLOR,
+                         text=[f"{multiplier.total:.2f}×"], textposition="outside",
+                         hovertemplate=f"total: {multiplier.total:.3g}×<extra></extra>"))
+    fig.update_layout(title=title or f"{multiplier.total:.2f}× over {multiplier.baseline}, factor by factor",
+                      barmode="overlay", plot_bgcolor="white", height=440,
+                      legend=dict(orientation="h", y=1.0, yanchor="bottom"))
+    fig.update_xaxes(tickangle=0)
+    products = [1.0, *np.cumprod([f.value for f in multiplier.factors])]
+    fig.update_yaxes(type="log", title="× the baseline's throughput", gridcolor=GRID,
+                     **_times_ticks(min(products), max(products)))
+    return fig
+
+
+def multiplier_bars(multipliers: dict[str, Multiplier], published: dict[str, float] | None = None,
+                    title: str = "Where each multiplier comes from") -> go.Figure:
+    """One stacked bar of log factors per named multiplier, its total as a diamond, and the
+    published figure (same names) as a star where one is given."""
+    published = published or {}
+    names = list(multipliers)
+    fig = go.Figure()
+    for kind in KINDS:
+        values = [multipliers[name].factor(kind) for name in names]
+        fig.add_trace(go.Bar(x=names, y=np.log10(values), name=kind, marker_color=KIND_COLORS[kind],
+                             text=[f"{v:.2f}×" for v in values], textposition="inside", insidetextanchor="middle",
+                             customdata=values, hovertemplate=f"{kind}: %{{customdata:.3g}}×<extra></extra>"))
+    totals = [multipliers[name].total for name in names]
+    fig.add_trace(go.Scatter(x=names, y=np.log10(totals), mode="markers", name="total",
+                             marker=dict(symbol="diamond", size=14, color=TOTAL_COLOR, line=dict(color="white", width=1)),
+                             customdata=totals, hovertemplate="total: %{customdata:.3g}×<extra></extra>"))
+    shown = [name for name in names if name in published]
+    if shown:
+        fig.add_trace(go.Scatter(x=shown, y=np.log10([published[name] for name in shown]), mode="markers",
+                                 name="published", marker=dict(symbol="star", size=16, color=PUBLISHED_COLOR),
+                                 customdata=[published[name] for name in shown],
+                                 hovertemplate="published: %{customdata:g}×<extra></extra>"))
+    for name, total in zip(names, totals):
+        claim = f"<br>{published[name]:g}× published" if name in published else ""
+        fig.add_annotation(x=name, y=math.log10(math.prod(f for f in (multipliers[name].factor(k) for k in KINDS)
+                                                          if f > 1)),
+                           text=f"total {total:.1f}×{claim}", showarrow=False, yanchor="bottom", yshift=4)
+    factors = [[m.factor(kind) for kind in KINDS] for m in multipliers.values()]
+    low = min(math.prod(f for f in values if f < 1) for values in factors)
+    high = max([*(math.prod(f for f in values if f > 1) for values in factors), *published.values()])
+    fig.update_layout(title=title, barmode="relative", plot_bgcolor="white", height=500,
+                      legend=dict(orientation="h", y=-0.15))
+    fig.update_yaxes(title="factor (log scale)", gridcolor=GRID, zerolinecolor="#888",
+                     **_times_ticks(low, high * 3, log=True))
+    return fig
+
+
+def _times_ticks(low: float, high: float, log: bool = False) -> dict:
+    """Ticks at 1, 2 and 5 times powers of ten from about `low` to `high` (and 1), labelled "2×";
+    given as their log10 when the axis is already in log units."""
+    low, high = min(low, 1.0), max(high, 1.0)
+    ticks = [m * 10.0**e for e in range(math.floor(math.log10(low)), math.ceil(math.log10(high)) + 1)
+             for m in (1, 2, 5)]
+    ticks = [t for t in ticks if low / 2 <= t <= high * 2]
+    return dict(tickvals=np.log10(ticks) if log else ticks, ticktext=[f"{t:g}×" for t in ticks])
