@@ -132,9 +132,8 @@ class Multiplier:
 
     def __init__(self, runs: dict, factors: tuple[Factor, ...]):
         self.runs, self.factors = runs, factors
-        first, last = next(iter(runs.values())), runs["paged"]
         self.baseline = next(iter(runs))
-        self.total = first.duration / last.duration
+        self.total = runs[self.baseline].duration / runs["paged"].duration
 
     def __repr__(self) -> str:
         return (f"Multiplier({self.total:.2f}x over {self.baseline}: "
@@ -152,10 +151,12 @@ class Multiplier:
     def log_share(self, kind: str) -> float:
         """The share of the headline a kind of factor carries on a log scale, ln(factor) / ln(total):
         a factor of 4 in a total of 16 carries half. NaN when the total is 1."""
-        return math.log(self.factor(kind)) / math.log(self.total) if self.total != 1 else math.nan
+        return _log_share(self.factor(kind), self.total)
 
     def factor_table(self) -> str:
-        rows = [[f.name, f"{f.value:.2f}×", f"{self._share(f.value)}", f.ratio] for f in self.factors]
+        shares = [_log_share(f.value, self.total) for f in self.factors]
+        rows = [[f.name, f"{f.value:.2f}×", "-" if math.isnan(share) else f"{share:.0%}", f.ratio]
+                for f, share in zip(self.factors, shares)]
         durations = (self.runs[self.baseline].duration, self.runs["paged"].duration)
         rows.append(["total", f"{self.total:.2f}×", "100%", " / ".join(map(_seconds, durations))])
         return format_table(["factor", "value", "log share", "ratio"], rows)
@@ -169,9 +170,6 @@ class Multiplier:
                          f"{1e3 * log.duration / steps:.3g}" if steps else "-",
                          f"{log.tokens_per_second:,.0f}", f"{self.runs[self.baseline].duration / log.duration:.2f}×"])
         return format_table(["run", "steps", "tokens/step", "ms/step", "tokens/s", "× baseline"], rows)
-
-    def _share(self, value: float) -> str:
-        return f"{math.log(value) / math.log(self.total):.0%}" if self.total != 1 else "-"
 
 
 
@@ -232,6 +230,10 @@ def _factors(runs: dict, name: str) -> tuple[Factor, ...]:
         Factor("step cost", "step cost", per_step["static"] / per_step["paged"],
                f"{1e3 * per_step['static']:.3g} / {1e3 * per_step['paged']:.3g} ms a step"),
     )
+
+
+def _log_share(value: float, total: float) -> float:
+    return math.log(value) / math.log(total) if total != 1 else math.nan
 
 
 def _seconds(seconds: float) -> str:
