@@ -71,19 +71,24 @@ def multiplier_bars(multipliers: dict[str, Multiplier], published: dict[str, flo
                                  name="published", marker=dict(symbol="star", size=16, color=PUBLISHED_COLOR),
                                  customdata=[published[name] for name in shown],
                                  hovertemplate="published: %{customdata:g}×<extra></extra>"))
+    ends = {name: _stack_ends(multipliers[name]) for name in names}
     for name, total in zip(names, totals):
         claim = f"<br>{published[name]:g}× published" if name in published else ""
-        fig.add_annotation(x=name, y=math.log10(math.prod(f for f in (multipliers[name].factor(k) for k in KINDS)
-                                                          if f > 1)),
-                           text=f"total {total:.1f}×{claim}", showarrow=False, yanchor="bottom", yshift=4)
-    factors = [[m.factor(kind) for kind in KINDS] for m in multipliers.values()]
-    low = min(math.prod(f for f in values if f < 1) for values in factors)
-    high = max([*(math.prod(f for f in values if f > 1) for values in factors), *published.values()])
+        fig.add_annotation(x=name, y=math.log10(ends[name][1]), text=f"total {total:.1f}×{claim}",
+                           showarrow=False, yanchor="bottom", yshift=4)
+    low = min(down for down, _ in ends.values())
+    high = max([*(up for _, up in ends.values()), *published.values()])
     fig.update_layout(title=title, barmode="relative", plot_bgcolor="white", height=500,
                       legend=dict(orientation="h", y=-0.15))
     fig.update_yaxes(title="factor (log scale)", gridcolor=GRID, zerolinecolor="#888",
                      **_times_ticks(low, high * 3, log=True))
     return fig
+
+
+def _stack_ends(multiplier: Multiplier) -> tuple[float, float]:
+    """(bottom, top) of a multiplier's stacked bar: the product of its factors below 1, and of those above."""
+    factors = [multiplier.factor(kind) for kind in KINDS]
+    return math.prod(f for f in factors if f < 1), math.prod(f for f in factors if f > 1)
 
 
 def _times_ticks(low: float, high: float, log: bool = False) -> dict:
