@@ -8,8 +8,8 @@ Importing labkit loads numpy only; `labkit.viz` loads plotly and ipywidgets, and
 import importlib
 
 from labkit import theory
-from labkit.sched import (Continuous, CostModel, Decision, Dynamic, SchedulerState, Static, StepLog, hardware, metrics,
-                          multiplier, simulate)
+from labkit.sched import (Continuous, CostModel, Decision, Dynamic, Priority, SchedulerState, ShortestPredictedFirst,
+                          Static, StepLog, hardware, metrics, multiplier, simulate)
 from labkit.traffic import Trace
 
 __all__ = [
@@ -17,7 +17,9 @@ __all__ = [
     "CostModel",
     "Decision",
     "Dynamic",
+    "Priority",
     "SchedulerState",
+    "ShortestPredictedFirst",
     "Static",
     "StepLog",
     "Trace",

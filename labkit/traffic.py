@@ -31,18 +31,19 @@ AZURE_CONV_2023 = "azure_llm_conv_2023.csv.gz"
 TOY_OUTPUT_LENGTHS = (2, 6, 3, 8, 2, 4, 5, 2)
 
 
-def _whole_numbers(name: str, values, minimum: int) -> np.ndarray:
-    """`values` as an int64 array, or a ValueError naming the first bad entry."""
+def _whole_numbers(name: str, values, minimum: int | None) -> np.ndarray:
+    """`values` as an int64 array, or a ValueError naming the first bad entry (None: no minimum)."""
     array = np.asarray(values)
     if array.ndim != 1:
         raise ValueError(f"{name} must be a flat list of numbers, got shape {array.shape}")
     if array.dtype.kind not in "iuf":
         raise ValueError(f"{name} must hold numbers, got {array.dtype} values such as {array[:1].tolist()}")
     array = array.astype(np.float64)
-    bad = ~np.isfinite(array) | (array != np.round(array)) | (array < minimum)
+    bad = ~np.isfinite(array) | (array != np.round(array)) | (minimum is not None and array < minimum)
     if bad.any():
         index = int(np.argmax(bad))
-        raise ValueError(f"{name}[{index}] = {array[index]:g}: each entry must be a whole number >= {minimum}")
+        at_least = f" >= {minimum}" if minimum is not None else ""
+        raise ValueError(f"{name}[{index}] = {array[index]:g}: each entry must be a whole number{at_least}")
     return array.astype(np.int64)
 
 
@@ -73,7 +74,11 @@ def _seconds(name: str, values) -> np.ndarray:
 
 @dataclass(frozen=True, eq=False)
 class Trace:
-    """Requests with arrival time (s), prompt length and output length (tokens)."""
+    """Requests with arrival time (s), prompt length and output length (tokens).
+
+    priorities: one whole number per request, lower served first by a policy that reads
+    them (`labkit.Priority`, as vLLM's `priority`); all 0 unless given.
+    """
 
     output_lengths: np.ndarray
     prompt_lengths: np.ndarray
@@ -81,6 +86,7 @@ class Trace:
     ids: np.ndarray
     labels: tuple[str, ...] = field(default=())
     prompt_tokens: tuple[np.ndarray, ...] = field(default=())
+    priorities: np.ndarray | None = field(default=None)
 
     def __post_init__(self):
         outputs = _whole_numbers("output_lengths", self.output_lengths, minimum=1)
@@ -90,6 +96,8 @@ class Trace:
             "prompt_lengths": _whole_numbers("prompt_lengths", self.prompt_lengths, minimum=0),
             "arrivals": _seconds("arrivals", self.arrivals),
             "ids": _whole_numbers("ids", self.ids, minimum=0),
+            "priorities": (np.zeros(len(outputs), np.int64) if self.priorities is None
+                           else _whole_numbers("priorities", self.priorities, minimum=None)),
         }
         for name, column in columns.items():
             if len(column) != len(outputs):
@@ -224,6 +232,10 @@ class Trace:
         """The same requests, all waiting at t=0."""
         return replace(self, arrivals=np.zeros(len(self)))
 
+    def with_priorities(self, priorities) -> Trace:
+        """The same requests with these priorities, one whole number each (lower is served first)."""
+        return replace(self, priorities=priorities)
+
     def select(self, positions) -> Trace:
         """The requests at these positions, keeping their ids and labels."""
         positions = np.atleast_1d(np.asarray(positions))
@@ -236,6 +248,7 @@ class Trace:
             self.ids[positions],
             tuple(self.labels[p] for p in positions),
             tuple(self.prompt_tokens[p] for p in positions) if self.prompt_tokens else (),
+            self.priorities[positions],
         )
 
 

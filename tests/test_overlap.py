@@ -139,13 +139,14 @@ def test_arrivals_spread_over_the_run_keep_the_tokens():
 
 def test_a_leaked_block_is_caught(monkeypatch):
     """Negative control for "every KV block comes back": the first release keeps one block."""
-    give_back, leaked = BlockPool.give_back, []
+    deallocate, leaked = BlockPool.deallocate, []
 
-    def leaky(self, block_ids, num_blocks):
-        give_back(self, block_ids, num_blocks - (not leaked))
-        leaked.append(True)
+    def leaky(self, block_table):
+        if not leaked:
+            leaked.append(block_table.pop())
+        deallocate(self, block_table)
 
-    monkeypatch.setattr(BlockPool, "give_back", leaky)
+    monkeypatch.setattr(BlockPool, "deallocate", leaky)
     with pytest.raises(AssertionError, match="every KV block"):
         Engine(TINY, device="cpu", threads=1, overlap=True).run(MIXED, lk.Continuous(num_slots=3), progress=False)
 

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 import labkit as lk
 from labkit.sched import Decision, Request, SchedulerState
-from labkit.sched.state import NEVER, ClockBlocks
+from strategies import prompted_traces, traces
 
 # Exact schedules ------------------------------------------------------------------------
 
@@ -114,7 +114,7 @@ def _state(num_slots, in_slots, waiting):
 def test_continuous_replaces_finished_requests_fcfs():
     state = _state(3, [(10, 4, 4), (11, 4, 2), (12, 3, 3)], waiting=[20, 21, 22])
     decision = lk.Continuous(num_slots=3).schedule(state)
-    assert decision == Decision(release=(10, 12), admit=(20, 21), blocked="no_slot")
+    assert decision == Decision(release=(10, 12), admit=(20, 21), num_tokens={11: 1, 20: 1, 21: 1}, blocked="no_slot")
     state.apply(decision)
     assert [r.id for r in state.slots] == [20, 11, 21]
     assert [r.id for r in state.waiting] == [22]
@@ -173,15 +173,6 @@ def test_bad_policy_input(make, message):
 POLICIES = [lk.Static, lk.Continuous, lambda n: lk.Dynamic(n, timeout=0.3)]
 
 
-@st.composite
-def traces(draw, spread=True):
-    lengths = draw(st.lists(st.integers(1, 25), min_size=1, max_size=25))
-    if spread and draw(st.booleans()):
-        gaps = draw(st.lists(st.sampled_from([0.0, 0.05, 0.1, 0.25, 1.0]), min_size=len(lengths), max_size=len(lengths)))
-        return lk.Trace.from_lengths(lengths, arrivals=np.cumsum(gaps))
-    return lk.Trace.from_lengths(lengths)
-
-
 @settings(max_examples=60, deadline=None)
 @given(trace=traces(), num_slots=st.integers(1, 6), make=st.sampled_from(POLICIES))
 def test_every_request_runs_exactly_its_length_once(trace, num_slots, make):
@@ -208,20 +199,6 @@ def test_slots_hold_one_request_each_and_admission_is_fcfs(trace, num_slots, mak
 
 
 @settings(max_examples=60, deadline=None)
-@given(trace=traces(), num_slots=st.integers(1, 6), make=st.sampled_from(POLICIES))
-def test_fast_forward_equals_asking_the_policy_every_step(trace, num_slots, make):
-    seen = []
-    stepped = lk.simulate(trace, make(num_slots), step_time=0.1, on_step=lambda log: seen.append(log.num_steps))
-    jumped = lk.simulate(trace, make(num_slots), step_time=0.1)
-    assert seen == list(range(1, jumped.num_steps + 1))
-    assert stepped.num_runs == stepped.num_steps >= jumped.num_runs
-    assert stepped.slots.tolist() == jumped.slots.tolist()
-    assert stepped.num_queued.tolist() == jumped.num_queued.tolist()
-    assert stepped.blocked.tolist() == jumped.blocked.tolist()
-    assert stepped.step_start == pytest.approx(jumped.step_start)
-
-
-@settings(max_examples=60, deadline=None)
 @given(trace=traces(spread=False), num_slots=st.integers(1, 6))
 def test_backlogged_continuous_finishes_nothing_later_than_static(trace, num_slots):
     static = lk.simulate(trace, lk.Static(num_slots))
@@ -245,21 +222,6 @@ def test_equal_lengths_give_static_and_continuous_the_same_steps(length, num_req
     static = lk.simulate(trace, lk.Static(num_slots))
     continuous = lk.simulate(trace, lk.Continuous(num_slots))
     assert static.num_steps == continuous.num_steps == length * -(-num_requests // num_slots)
-
-
-def test_fast_forward_comparison_can_fail_for_a_policy_that_breaks_the_event_rule():
-    """Negative control: a policy that looks at the step counter is not event-driven,
-    so running its decision for many steps differs from asking it every step."""
-
-    class EvenStepsOnly(lk.Continuous):
-        def schedule(self, state):
-            decision = super().schedule(state)
-            return decision if state.num_steps % 2 == 0 else Decision(release=decision.release)
-
-    trace = lk.Trace.from_lengths([3, 2, 4, 1])  # A ends at odd step 3: only stepping retries at 4
-    stepped = lk.simulate(trace, EvenStepsOnly(num_slots=2), on_step=lambda log: None)
-    jumped = lk.simulate(trace, EvenStepsOnly(num_slots=2))
-    assert stepped.slots.tolist() != jumped.slots.tolist()
 
 
 # Admission beyond slots: blocks, budget, chunking, preemption ------------------------------
@@ -344,77 +306,6 @@ def test_bad_knobs_name_the_field_and_value(make, message):
         make()
 
 
-@st.composite
-def knobs(draw):
-    return lk.Continuous(
-        draw(st.integers(1, 5)),
-        num_blocks=draw(st.one_of(st.none(), st.integers(8, 40))),
-        block_size=draw(st.integers(1, 6)),
-        max_tokens_per_step=draw(st.one_of(st.none(), st.integers(1, 40))),
-        chunked_prefill=draw(st.booleans()),
-        victim=draw(st.sampled_from(["newest", "longest"])),
-    )
-
-
-@st.composite
-def prompted_traces(draw):
-    num_requests = draw(st.integers(1, 12))
-    lengths = draw(st.lists(st.integers(1, 12), min_size=num_requests, max_size=num_requests))
-    prompts = draw(st.lists(st.integers(0, 12), min_size=num_requests, max_size=num_requests))
-    gaps = draw(st.lists(st.sampled_from([0.0, 0.05, 0.3]), min_size=num_requests, max_size=num_requests))
-    return lk.Trace.from_lengths(lengths, prompt_lengths=prompts, arrivals=np.cumsum(gaps))
-
-
-TIMINGS = [  # a constant step, and a cost model whose steps differ by their work
-    {"step_time": 0.1},
-    {"cost": lk.CostModel(overhead=0.01, per_prefill_token=0.002, per_decode_token=0.003, per_kv_token=1e-4)},
-]
-
-
-@settings(max_examples=120, deadline=None)
-@given(trace=prompted_traces(), policy=knobs(), timing=st.sampled_from(TIMINGS))
-def test_with_every_knob_each_request_emits_exactly_its_length(trace, policy, timing):
-    try:
-        jumped = lk.simulate(trace, policy, **timing)
-    except ValueError:  # a request that can never fit this policy is refused up front
-        return
-    stepped = lk.simulate(trace, policy, on_step=lambda log: None, **timing)
-    assert jumped.slots.tolist() == stepped.slots.tolist()
-    assert jumped.num_queued.tolist() == stepped.num_queued.tolist()
-    assert jumped.blocked.tolist() == stepped.blocked.tolist()
-    np.testing.assert_allclose(jumped.step_seconds, stepped.step_seconds)
-    np.testing.assert_allclose(jumped.step_start, stepped.step_start)
-    assert jumped.num_blocks_used.tolist() == stepped.num_blocks_used.tolist()
-    assert jumped.preempted_at == stepped.preempted_at and len(jumped.preempted_at) == jumped.num_preemptions
-    if policy.num_blocks is not None:
-        assert jumped.num_blocks_used.max() <= policy.num_blocks
-    assert jumped.num_tokens == stepped.num_tokens == trace.output_lengths.sum()
-    assert (jumped.finish_step >= 0).all()
-    # every prompt once, every output but the last fed back once, and the thrown-away cache again
-    processed = (jumped.num_prefill_tokens + jumped.num_decode_tokens).sum()
-    assert processed == (1 + trace.prompt_lengths + trace.output_lengths - 1).sum() + jumped.recomputed_tokens
-    if policy.max_tokens_per_step is not None:
-        assert (jumped.num_prefill_tokens + jumped.num_decode_tokens).max() <= policy.max_tokens_per_step
-
-
-@settings(max_examples=80, deadline=None)
-@given(trace=prompted_traces(), num_slots=st.integers(1, 5), num_blocks=st.integers(4, 40),
-       block_size=st.integers(1, 6), timing=st.sampled_from(TIMINGS), dynamic=st.booleans())
-def test_static_batches_that_reserve_blocks_jump_as_they_step(trace, num_slots, num_blocks, block_size, timing, dynamic):
-    pool = {"num_blocks": num_blocks, "block_size": block_size}
-    policy = lk.Dynamic(num_slots, timeout=0.2, **pool) if dynamic else lk.Static(num_slots, **pool)
-    try:
-        jumped = lk.simulate(trace, policy, **timing)
-    except ValueError:  # a request whose whole length the pool cannot hold is refused up front
-        return
-    stepped = lk.simulate(trace, policy, on_step=lambda log: None, **timing)
-    assert jumped.slots.tolist() == stepped.slots.tolist()
-    assert jumped.blocked.tolist() == stepped.blocked.tolist()
-    assert jumped.num_queued.tolist() == stepped.num_queued.tolist()
-    assert jumped.num_blocks_used.tolist() == stepped.num_blocks_used.tolist()
-    np.testing.assert_allclose(jumped.step_start, stepped.step_start)
-
-
 @settings(max_examples=40, deadline=None)
 @given(trace=prompted_traces(), num_slots=st.integers(1, 5))
 def test_limits_that_never_bind_change_nothing(trace, num_slots):
@@ -466,46 +357,3 @@ def test_a_simulation_leaves_no_reference_cycles_behind(policy):
     finally:
         gc.enable()
     assert log.num_tokens == trace.output_lengths.sum()
-
-
-def test_a_request_due_to_finish_when_its_slots_preempted_holder_was_finishes_once():
-    first, second = Request(0, 0, 0.0, 0, 6), Request(1, 1, 0.0, 0, 2)
-    state = SchedulerState(1, [first, second])
-    state.waiting.extend([first, second])
-
-    def step(decision):
-        state.apply(decision)
-        return state.advance(state.batch(decision), 1)
-
-    step(Decision(admit=(0,)))  # step 0: its prefill emits; it decodes steadily, due to finish at step 6
-    for _ in range(3):
-        step(Decision())
-    assert first.num_generated == 4
-    assert step(Decision(preempt=(0,), admit=(1,))) == []  # step 4: the second's prefill; it is due at step 6 too
-    assert step(Decision()) == [1]
-    assert state.finished_in_slots() == [second] and list(state.waiting) == [first]
-
-
-@settings(max_examples=200, deadline=None)
-@given(block_size=st.integers(1, 20), bases=st.lists(st.integers(-60, 60), max_size=8), data=st.data(),
-       step=st.integers(-20, 80))
-def test_clock_blocks_count_what_each_request_holds(block_size, bases, data, step):
-    clock = ClockBlocks(block_size)
-    for base in bases:
-        clock.add(base)
-    removed = data.draw(st.sets(st.sampled_from(range(len(bases)))) if bases else st.just(set()))
-    for i in removed:
-        clock.remove(bases[i])
-    kept = [base for i, base in enumerate(bases) if i not in removed]
-
-    def held(base, t):  # ceil((base + t - 1) / block_size), by counting
-        return sum(1 for first in range(-200 * block_size, base + t - 1, block_size)) - 200
-
-    for t in range(step, step + 2 * block_size + 1):
-        assert clock.held_at(t) == sum(held(base, t) for base in kept)
-    num_blocks = data.draw(st.integers(-100, 100))
-    last = clock.last_step_within(num_blocks)
-    if kept:
-        assert clock.held_at(last) <= num_blocks < clock.held_at(last + 1)
-    else:
-        assert last == NEVER

@@ -2,16 +2,16 @@
 
 A Hypothesis state machine adds requests, steps the scheduler one decision at a time and
 aborts requests at random, the way `labkit.sched.driver.drive` runs its loop (arrivals,
-`policy.schedule`, `state.apply`, `state.grow`, `driver.run_steps` and `driver.log_steps` with num_steps=1). After
+`policy.schedule`, `state.apply`, `state.allocate`, `driver.complete_step` and
+`driver.log_steps`). The policy is `Continuous` or `Priority`, with every knob. After
 every rule it checks the invariants the sched modules' docstrings state:
 
 - every added request is in exactly one place: waiting, in a slot (running or finished,
   not yet released), released after finishing, or aborted; none is lost;
-- the slots and requests agree (`slots[k].slot == k`), and at most `num_slots` are held;
-  each held slot is of exactly one kind (steady, irregular, finished), a steady request
-  decodes and its finishing step follows from its counts;
+- the slots and requests agree (`slots[k].slot == k`), at most `num_slots` are held, and
+  `seated` lists the holders in admission order;
 - allocated blocks + free blocks == num_blocks, no block id has two owners, a request
-  holds blocks only while it holds a slot, and they cover its `num_computed` tokens;
+  holds blocks only while it holds a slot, and exactly those its `num_computed` tokens fill;
 - a step processes at most `max_tokens_per_step` tokens, each scheduled request between
   1 and its `num_uncomputed`;
 - `num_generated` never decreases (a preempted request keeps its outputs), grows by at
@@ -32,8 +32,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 import labkit as lk
 from labkit.sched import Decision, Request, SchedulerState
 from labkit.sched.blocks import BlockPool
-from labkit.sched.driver import log_steps, run_steps
-from labkit.sched.state import NEVER
+from labkit.sched.driver import complete_step, log_steps
 from labkit.sched.steplog import StepLog
 
 CAPACITY = 64  # most requests one run may add: the StepLog's per-request arrays are this long
@@ -51,9 +50,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         max_tokens_per_step=st.one_of(st.none(), st.integers(1, 12)),
         chunked_prefill=st.booleans(),
         victim=st.sampled_from(["newest", "longest"]),
+        kind=st.sampled_from([lk.Continuous, lk.Priority]),
     )
-    def setup(self, num_slots, block_size, num_blocks, max_tokens_per_step, chunked_prefill, victim):
-        self.policy = lk.Continuous(
+    def setup(self, num_slots, block_size, num_blocks, max_tokens_per_step, chunked_prefill, victim, kind):
+        self.policy = kind(
             num_slots,
             num_blocks=num_blocks,
             block_size=block_size,
@@ -62,7 +62,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             victim=victim,
         )
         self.pool = BlockPool(num_blocks, block_size) if num_blocks is not None else None
-        self.state = SchedulerState(num_slots, [], self.pool)
+        self.state = SchedulerState(num_slots, [], self.pool, self.policy.queue_order)
         self.log = StepLog(lk.Trace.from_lengths([1] * CAPACITY), num_slots, repr(self.policy))
         self.added: dict[int, Request] = {}
         self.aborted: set[int] = set()
@@ -115,14 +115,13 @@ class SchedulerMachine(RuleBasedStateMachine):
                 return False
         else:
             raise AssertionError(f"{self.policy!r}: {MAX_DECISIONS_PER_STEP} decisions in a row schedule nothing")
-        scheduled = batch.rows(self.state)
+        scheduled = batch.rows
         for request, num_tokens in scheduled:
             assert request.slot >= 0 and not request.is_finished
             assert 1 <= num_tokens <= request.num_uncomputed, (request, num_tokens)
         self.last_step_tokens = {r.id: n for r, n in scheduled}
-        growth = self.state.grow(batch, 1)
-        num_blocks_used = 0 if growth is None else growth.blocks_used()
-        steps = run_steps(self.state, batch, 1, decision, num_blocks_used)
+        self.state.allocate(batch)
+        steps = complete_step(self.state, batch, decision)
         log_steps(self.log, steps, self.state.now, 1.0)  # requests arrive by rule, not from the trace
         self.state.now += 1.0
         return True
@@ -136,18 +135,17 @@ class SchedulerMachine(RuleBasedStateMachine):
     # Rules
 
     @precondition(lambda self: len(self.added) < CAPACITY)
-    @rule(prompt_len=st.integers(0, 10), output_len=st.integers(1, 10))
-    def add(self, prompt_len, output_len):
+    @rule(prompt_len=st.integers(0, 10), output_len=st.integers(1, 10), priority=st.integers(0, 2))
+    def add(self, prompt_len, output_len, priority):
         index = len(self.added)
-        request = Request(index, index, self.state.now, prompt_len, output_len)
+        request = Request(index, index, self.state.now, prompt_len, output_len, priority=priority)
         try:
             self.policy.check_fits(request)
         except ValueError:
             return  # a request the policy can never serve is refused before any work
         self.added[request.id] = request
         self.last_generated[request.id] = 0
-        self.state.by_id[request.id] = request
-        self.state.waiting.append(request)
+        self.state.add(request)
 
     @rule()
     def step(self):
@@ -175,19 +173,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert len(state.slots) == state.num_slots and len(in_slots) <= state.num_slots
         for k, request in enumerate(state.slots):
             assert request is None or request.slot == k, f"slot {k} holds {request} whose slot is {request.slot}"
-        seats = state.seats
-        kinds = [*seats.steady, *seats.irregular, *seats.finished]
-        assert sorted(kinds) == [k for k, r in enumerate(state.slots) if r is not None], "a seat has no kind, or two"
-        assert seats.steady_tokens == {state.slots[k].id: 1 for k in seats.steady}
+        assert sorted(r.id for r in state.seated) == sorted(in_slots), "seated and slots disagree"
+        orders = [r.admitted_order for r in state.seated]
+        assert orders == sorted(orders), f"seated is not in admission order: {orders}"
         assert state.num_free_slots() == state.slots.count(None)
-        for k, request in enumerate(state.slots):
-            if request is not None:
-                assert (k in seats.finished) == request.is_finished, request
-                if k in seats.steady:
-                    assert request.is_decoding and seats.finish_at[k] == seats.now + request.output_len - request.num_generated
-                    assert (seats.finish_at[k], k) in seats._finishes, f"steady slot {k} is missing from the finish heap"
-            assert (seats.finish_at[k] < NEVER) == (k in seats.steady), k
-            assert seats.steady_id[k] == (request.id if k in seats.steady else -1), k
+        assert state.running() == [r for r in state.seated if not r.is_finished]
+        assert state.finished_in_slots() == [r for r in state.seated if r.is_finished]
         for request in state.waiting:
             assert request.slot == -1 and not request.block_table, f"waiting {request} holds a slot or blocks"
         # exactly one place each
@@ -211,7 +202,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         # blocks
         if self.pool is not None:
             owned = [b for r in self.added.values() for b in r.block_table]
-            free = list(self.pool._unassigned)  # the pool has no public view of its unassigned ids
+            free = list(self.pool.free_ids)
             assert len(owned) == sum(r.num_blocks_held for r in self.added.values()), "a table misses ids"
             assert len(owned) + self.pool.num_free_blocks == self.pool.num_blocks, "blocks lost or invented"
             assert len(owned) == len(set(owned)), f"a block has two owners: {sorted(owned)}"
@@ -219,7 +210,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert sorted(owned + free) == list(range(self.pool.num_blocks)), "a block id is lost or invented"
             for request in self.added.values():
                 if request.slot >= 0:
-                    assert len(request.block_table) >= self.pool.num_blocks_for(request.num_computed), request
+                    assert len(request.block_table) == self.pool.num_blocks_for(request.num_computed), request
                 else:
                     assert not request.block_table, f"{request} holds blocks without a slot"
 

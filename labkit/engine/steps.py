@@ -51,7 +51,6 @@ class TorchSteps:
     trace: Trace
     graphs: DecodeGraphs | None = None
     sequences: dict[int, list[int]] = field(default_factory=dict)
-    plans_ahead = False  # step times are measured, so the driver runs one step at a time
     progress: object = None
     _last_step_end: float | None = None
 
@@ -65,7 +64,7 @@ class TorchSteps:
             return [BOS_TOKEN, *self.trace.prompt_tokens[index].tolist()]
         return self.engine.prompt_ids(int(self.trace.ids[index]), int(self.trace.prompt_lengths[index]))
 
-    def execute(self, state: SchedulerState, batch: Batch, num_steps: int, log: StepLog) -> float:
+    def execute(self, state: SchedulerState, batch: Batch, log: StepLog) -> float:
         start = time.perf_counter()
         step_start = self._last_step_end or start
         rows = self._rows(state, batch)
@@ -98,7 +97,7 @@ class TorchSteps:
     def _rows(self, state: SchedulerState, batch: Batch) -> list[tuple[Request, int]]:
         """(request, tokens) per row: the batch's, then any finished request kept as padding."""
         padded = [] if getattr(self.policy, "drop_finished", True) else state.finished_in_slots()
-        return [*batch.rows(state), *((request, 0) for request in padded)]
+        return [*batch.rows, *((request, 0) for request in padded)]
 
     @staticmethod
     def _emitting(rows: list[tuple[Request, int]]) -> list[int]:

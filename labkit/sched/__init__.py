@@ -4,6 +4,7 @@ from labkit.sched import hardware, metrics, multiplier
 from labkit.sched.blocks import BlockPool
 from labkit.sched.cost import CostFit, CostModel
 from labkit.sched.driver import drive
+from labkit.sched.ordered import Priority, ShortestPredictedFirst
 from labkit.sched.policy import Continuous, Decision, Dynamic, Static
 from labkit.sched.simulator import DEFAULT_STEP_TIME, simulate
 from labkit.sched.state import Request, SchedulerState
@@ -17,8 +18,10 @@ __all__ = [
     "DEFAULT_STEP_TIME",
     "Decision",
     "Dynamic",
+    "Priority",
     "Request",
     "SchedulerState",
+    "ShortestPredictedFirst",
     "Static",
     "StepLog",
     "drive",

@@ -1,17 +1,14 @@
-"""KV block accounting: how many cache blocks are free, and which ids a request holds.
+"""KV block accounting: which cache blocks are free, and which ids each request holds.
 
-The engine owns the tensors; this pool only lends blocks, so the simulator and the engine
-make the same admission and growth decisions. A holder asks for a number of blocks
-(`take`); which ids they are is settled when it first needs them (`assign`: the engine,
-every step; the simulator, never), so growing many requests costs one subtraction.
+The engine owns the tensors; this pool only lends block ids, so the simulator and the
+engine make the same admission and growth decisions. A request's `block_table` lists the
+ids it holds, in the order of its tokens: token p lives in block `block_table[p // block_size]`.
 
 Invariants:
 
-- `num_free_blocks` + the blocks every holder holds == num_blocks;
-- every block id is either unassigned or in exactly one holder's id list, never both,
-  and a holder's list never has more ids than it holds blocks; so at least
-  `num_free_blocks` ids are unassigned;
-- `give_back` returns every block of a holder, so a drained run ends with all free.
+- every block id is either free or in exactly one block table, never both;
+- so `num_free_blocks` + the blocks every table holds == num_blocks;
+- `deallocate` returns every block of a table, so a drained run ends with all free.
 """
 
 from __future__ import annotations
@@ -26,26 +23,26 @@ class BlockPool:
                 raise ValueError(f"{name} = {value!r}: must be a whole number >= 1")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.num_free_blocks = num_blocks
-        self._unassigned = list(range(num_blocks - 1, -1, -1))  # a stack: block 0 is assigned first
+        self.free_ids = list(range(num_blocks - 1, -1, -1))  # a stack: block 0 is lent first
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_ids)
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def take(self, num_blocks: int) -> None:
-        """Lend `num_blocks` more blocks to a holder."""
-        assert 0 <= num_blocks <= self.num_free_blocks, f"take {num_blocks} blocks with {self.num_free_blocks} free"
-        self.num_free_blocks -= num_blocks
+    def can_allocate(self, num_blocks: int) -> bool:
+        return num_blocks <= len(self.free_ids)
 
-    def assign(self, block_ids: list[int], num_blocks: int) -> None:
-        """Extend a holder's `block_ids` to the `num_blocks` blocks it holds."""
-        missing = num_blocks - len(block_ids)
-        if missing > 0:
-            block_ids.extend(reversed(self._unassigned[-missing:]))
-            del self._unassigned[-missing:]
+    def allocate(self, block_table: list[int], num_blocks: int) -> None:
+        """Lend `num_blocks` more blocks, appended to `block_table`."""
+        assert 0 <= num_blocks <= len(self.free_ids), f"allocate {num_blocks} blocks with {len(self.free_ids)} free"
+        if num_blocks:
+            block_table.extend(reversed(self.free_ids[-num_blocks:]))
+            del self.free_ids[-num_blocks:]
 
-    def give_back(self, block_ids: list[int], num_blocks: int) -> None:
-        """Return a holder's `num_blocks` blocks, `block_ids` the ids assigned among them; empties it."""
-        self._unassigned.extend(reversed(block_ids))
-        block_ids.clear()
-        self.num_free_blocks += num_blocks
+    def deallocate(self, block_table: list[int]) -> None:
+        """Take back every block of `block_table`, and empty it."""
+        self.free_ids.extend(reversed(block_table))
+        block_table.clear()

@@ -1,8 +1,11 @@
 """The loop both back ends share: arrivals, the policy's decision, a step, the record.
 
 A back end only executes steps. `drive` asks the policy, applies its decision to the
-`SchedulerState`, hands the running requests to `backend.execute`, and writes the
-`StepLog`, so the simulator and the engine cannot disagree on who runs when.
+`SchedulerState`, hands the scheduled requests to `backend.execute`, counts the step
+done and writes the `StepLog`, so the simulator and the engine cannot disagree on who
+runs when. It asks the policy before every step; `labkit.sched.fastforward` is the
+same loop for a back end that knows its step times in advance, running each decision
+for as many steps as it holds.
 
 Invariants:
 
@@ -17,14 +20,7 @@ Invariants:
 - a run ends when every request has finished, with every slot (and KV block) released;
 - when nothing runs, the clock jumps to the next arrival or the time the policy asked
   to wake at; if neither exists while requests wait, the run stops with an error
-  instead of spinning;
-- a back end that plans step durations ahead may run a decision of plain decode steps
-  for every step until the next event (a finish, an arrival, the policy's wake time, or
-  the step the free blocks no longer cover the requests' growth) at once; this gives the
-  same log as asking the policy before every step, because policies decide only on events (see
-  `labkit.sched.policy`). An arrival is no event while the head of the queue is blocked
-  under a policy that `admits_in_order`; it still counts in the log's queue depth from
-  the step it arrives. With `on_step`, the policy is asked before every step.
+  instead of spinning.
 """
 
 from __future__ import annotations
@@ -37,25 +33,18 @@ from typing import Protocol
 import numpy as np
 
 from labkit.sched.blocks import BlockPool
-from labkit.sched.policy import HEAD_BLOCKED, NO_BUDGET, Decision, check_policy
+from labkit.sched.policy import Decision, check_policy
 from labkit.sched.state import Batch, Request, SchedulerState
-from labkit.sched.steplog import TIME_SLACK, RunSeconds, StepLog
+from labkit.sched.steplog import TIME_SLACK, StepLog
 from labkit.traffic import Trace
 
 
 class Backend(Protocol):
-    """Executes steps. One that `plans_ahead` knows their durations in advance, and may
-    be given many steps at once; one that does not (the engine) measures them, one by one."""
+    """Executes steps."""
 
-    plans_ahead: bool
-
-    def steps_until(self, batch: Batch, max_steps: int, seconds: float) -> int:
-        """How many of the next `max_steps` steps of `batch` run, at least one, until `seconds`
-        have passed: the step during which they pass counts."""
-
-    def execute(self, state: SchedulerState, batch: Batch, num_steps: int, log: StepLog) -> float | RunSeconds:
-        """Run `num_steps` steps in which each request of `batch` processes its number of
-        tokens; return the seconds each step took, or a `RunSeconds` when they differ."""
+    def execute(self, state: SchedulerState, batch: Batch, log: StepLog) -> float:
+        """Run one step in which each request of `batch` processes its number of tokens
+        (its KV blocks are allocated already); return the seconds it took."""
 
 
 def drive(
@@ -72,21 +61,15 @@ def drive(
     state, pending, log = start_run(trace, policy, blocks)
     num_unfinished = len(state.by_id)
     while num_unfinished:
-        decision, batch = next_batch(state, pending, policy, log)
+        decision, batch = next_batch(state, pending, policy, log)  # ask and apply
         if not batch.size:
-            if not (decision.preempt or decision.release):  # else the policy may decide anew at once
-                state.now = idle_until(state, pending, decision, policy)
+            wait(state, pending, decision, policy)
             continue
-        if on_step or not backend.plans_ahead or not _repeats(decision, batch):
-            num_steps = 1
-        else:
-            num_steps = _steps_until_event(state, batch, pending, decision, backend, policy)
-        growth = state.grow(batch, num_steps)
-        seconds = backend.execute(state, batch, num_steps, log)
-        steps = run_steps(state, batch, num_steps, decision, 0 if growth is None else growth.blocks_used())
-        end = state.now + (seconds.total if isinstance(seconds, RunSeconds) else num_steps * seconds)
-        log_steps(log, steps, state.now, seconds, pending.times_by(end) if num_steps > 1 else None)
-        state.now = end
+        state.allocate(batch)
+        seconds = backend.execute(state, batch, log)  # execute
+        steps = complete_step(state, batch, decision)  # count it done
+        log_steps(log, steps, state.now, seconds)  # record
+        state.now += seconds
         num_unfinished -= len(steps.finished)
         if on_step:
             on_step(log)
@@ -102,7 +85,7 @@ def start_run(trace: Trace, policy, blocks: BlockPool | None) -> tuple[Scheduler
         policy.check_fits(request)
     if blocks is None and policy.num_blocks is not None:
         blocks = BlockPool(policy.num_blocks, policy.block_size)
-    state = SchedulerState(policy.num_slots, requests, blocks)
+    state = SchedulerState(policy.num_slots, requests, blocks, getattr(policy, "queue_order", None))
     pending = Pending(requests)
     state.now = pending.next_arrival()
     return state, pending, StepLog(trace, policy.num_slots, repr(policy))
@@ -121,6 +104,13 @@ def next_batch(state: SchedulerState, pending: Pending, policy, log: StepLog) ->
     return decision, state.batch(decision)
 
 
+def wait(state: SchedulerState, pending: Pending, decision: Decision, policy) -> None:
+    """Nothing runs: move the clock to the next arrival or wake time, unless the decision
+    released or preempted someone (the policy may then decide anew at once)."""
+    if not (decision.preempt or decision.release):
+        state.now = idle_until(state, pending, decision, policy)
+
+
 def end_run(state: SchedulerState) -> None:
     """Free every slot a finished request still holds."""
     state.apply(Decision(release=tuple(r.id for r in state.finished_in_slots())))
@@ -128,20 +118,11 @@ def end_run(state: SchedulerState) -> None:
 
 def _requests(trace: Trace) -> list[Request]:
     return [
-        Request(index, int(rid), float(arrival), int(prompt), int(output))
-        for index, (rid, arrival, prompt, output) in enumerate(
-            zip(trace.ids, trace.arrivals, trace.prompt_lengths, trace.output_lengths)
+        Request(index, int(rid), float(arrival), int(prompt), int(output), priority=int(priority))
+        for index, (rid, arrival, prompt, output, priority) in enumerate(
+            zip(trace.ids, trace.arrivals, trace.prompt_lengths, trace.output_lengths, trace.priorities)
         )
     ]
-
-
-def _repeats(decision: Decision, batch: Batch) -> bool:
-    """Whether the steps after this one will be scheduled alike until the next event: every
-    request emits now, so it decodes next; nobody was preempted (a preempting step admits
-    nobody); and no waiting request was held back only by budget this step's prefills use."""
-    if decision.preempt or not batch.emits:
-        return False
-    return decision.blocked != NO_BUDGET or batch.is_decoding
 
 
 class Pending:
@@ -186,52 +167,46 @@ def idle_until(state: SchedulerState, pending: Pending, decision: Decision, poli
     return min(wakes)
 
 
-def _steps_until_event(state, batch: Batch, pending: Pending, decision: Decision, backend: Backend, policy) -> int:
-    """Plain decode steps the decision holds for: until a request finishes, one arrives (if
-    that matters), the policy wakes, or the free blocks stop covering the requests' growth.
-    The first of them may complete prefills."""
-    count = state.steps_until_a_finish(batch)
-    if state.blocks is not None:
-        count = state.steps_within_free_blocks(batch, count)
-    arrivals_matter = not (getattr(policy, "admits_in_order", False) and decision.blocked in HEAD_BLOCKED)
-    next_arrival = pending.next_arrival() if arrivals_matter else None
-    moments = [m for m in (next_arrival, decision.wake_at) if m is not None]
-    if not moments:
-        return count
-    return backend.steps_until(batch, count, min(moments) - state.now - TIME_SLACK)
-
-
 @dataclass(slots=True)
 class Steps:
     """What a run of `count` identical steps did, for the log: who worked in which slot, the
     queue, and the requests whose prefill chunks ran, whose first token came, or who finished."""
 
-    row: np.ndarray
+    row: list[int]
     count: int
     num_queued: int
     blocked: str
     decided_at: float
     num_emitted: int
-    num_blocks_used: object
+    num_blocks_used: object  # a number, or a function giving one per step (`labkit.sched.fastforward`)
     first_step: int
     prefills: list[tuple[int, int]]  # (slot, prompt tokens) of each prompt, chunk or recompute
     first_tokens: list[int]  # trace indices
     finished: list[int]  # trace indices
 
 
-def run_steps(state: SchedulerState, batch: Batch, count: int, decision: Decision, num_blocks_used) -> Steps:
-    """Count `count` steps of `batch` done in `state` and say what they did.
+def complete_step(state: SchedulerState, batch: Batch, decision: Decision) -> Steps:
+    """Count one step of `batch` done in `state` (its blocks allocated) and say what it did."""
+    steps = describe_step(state, batch, decision)
+    steps.finished = state.complete(batch)
+    return steps
 
-    With count > 1, every request emits every step: its tokens in the first, one token after.
-    """
-    first_step = state.num_steps
-    row = state.row(batch)
-    prefills = [(r.slot, n) for r, n in batch.irregular if not r.is_decoding]
-    first_tokens = [r.index for r, n in batch.irregular if n == r.num_uncomputed and not r.num_generated]
-    num_queued = len(state.waiting)
-    finished = state.advance(batch, count)
-    return Steps(row, count, num_queued, decision.blocked, state.now, batch.num_emitted, num_blocks_used, first_step,
-                 prefills, first_tokens, finished)
+
+def describe_step(state: SchedulerState, batch: Batch, decision: Decision) -> Steps:
+    """The log's view of the step `batch` is about to run, before its counters move."""
+    row = [-1] * state.num_slots
+    num_emitted, prefills, first_tokens = 0, [], []
+    for request, num_tokens in batch.rows:
+        row[request.slot] = request.id
+        emits = num_tokens == request.num_uncomputed
+        num_emitted += emits
+        if not request.is_decoding:
+            prefills.append((request.slot, num_tokens))
+            if emits and not request.num_generated:
+                first_tokens.append(request.index)
+    num_blocks_used = state.blocks.num_blocks - state.blocks.num_free_blocks if state.blocks is not None else 0
+    return Steps(row, 1, len(state.waiting), decision.blocked, state.now, num_emitted, num_blocks_used,
+                 state.num_steps, prefills, first_tokens, [])
 
 
 def log_steps(log: StepLog, steps: Steps, start: float, seconds, arrivals: np.ndarray | None = None) -> None:

@@ -31,9 +31,9 @@ def decoding_state(num_running: int, num_waiting: int, num_blocks: int | None, b
     state = SchedulerState(num_running, requests, blocks)
     state.waiting.extend(requests)
     state.apply(Decision(admit=tuple(range(num_running))))
-    prefill = state.running_batch()
-    state.grow(prefill, 1)
-    state.advance(prefill, 1)
+    prefill = state.batch(Decision())
+    state.allocate(prefill)
+    state.complete(prefill)
     return state
 
 

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from typing import NamedTuple, Protocol
 
 from labkit.sched.blocks import BlockPool
-from labkit.sched.driver import Steps, end_run, idle_until, log_steps, next_batch, run_steps, start_run
+from labkit.sched.driver import Steps, complete_step, end_run, idle_until, log_steps, next_batch, start_run
 from labkit.sched.state import Batch, SchedulerState
 from labkit.sched.steplog import StepLog
 from labkit.traffic import Trace
@@ -80,9 +80,9 @@ def drive_overlapped(
         if num_unfinished:
             decision, batch = next_batch(state, pending, policy, log)
             if batch.size:
-                growth = state.grow(batch, 1)
+                state.allocate(batch)
                 handle = backend.launch(state, batch, log)
-                steps = run_steps(state, batch, 1, decision, 0 if growth is None else growth.blocks_used())
+                steps = complete_step(state, batch, decision)
                 launched, num_unfinished = _InFlight(handle, steps), num_unfinished - len(steps.finished)
             elif decision.preempt or decision.release:  # the policy may decide anew at once
                 continue

@@ -19,12 +19,14 @@ Knobs, and the vLLM setting each one plays:
 Invariant every policy keeps: its decision depends only on who waits, who holds which
 slot, how far each request has got, the free blocks, and the clock compared with the
 `wake_at` time it asked for. So a decision made before a run of plain decode steps,
-in which nobody finishes, arrives or runs out of blocks, holds for all of them, and
-the simulator may run it for many steps at once.
+in which nobody finishes, arrives or runs out of blocks, holds for all of them, and a
+back end may run it for many steps at once (`labkit.sched.fastforward`).
 
-A policy that `admits_in_order` (every policy here) admits waiting requests first come,
-first served, and while the head of the queue is blocked nothing behind it matters; so
-while the head waits for a slot, blocks or budget, an arrival changes no decision.
+The waiting queue is first come, first served; a policy with a `queue_order` has the
+state keep it sorted by that instead (`labkit.sched.ordered`). A policy that
+`admits_in_order` (Static, Dynamic, Continuous) admits from the head of that queue and
+stops at the first request it cannot admit, and its queue is first come, first served:
+so while the head waits for a slot, blocks or budget, an arrival changes no decision.
 """
 
 from __future__ import annotations
@@ -109,6 +111,7 @@ class _Policy:
     block_size: int = field(default=16, kw_only=True)
     reserves_whole_length = False  # whether admission takes every block a request will need
     admits_in_order = True  # FCFS: while the head of the queue is blocked, arrivals change nothing
+    queue_order = None  # the waiting queue's sort key, a function of a request; None: first come, first served
 
     def __post_init__(self):
         _check_whole("num_slots", self.num_slots, 1)
@@ -130,9 +133,9 @@ class _Policy:
 @dataclass(frozen=True, repr=False)
 class Continuous(_Policy):
     """Iteration-level scheduling: before every step, finished requests leave, running
-    requests are scheduled first (one token per decode), and waiting requests join the
-    free slots, first come first served, while slots, blocks and token budget last.
-    When a running request cannot get a block, the `victim` is preempted."""
+    requests are scheduled first (one token per decode), oldest first, and waiting
+    requests join the free slots, in queue order, while slots, blocks and token budget
+    last. When a running request cannot get a block, the `victim` is preempted."""
 
     max_tokens_per_step: int | None = field(default=None, kw_only=True)
     chunked_prefill: bool = field(default=False, kw_only=True)
@@ -157,56 +160,41 @@ class Continuous(_Policy):
             )
 
     def schedule(self, state: SchedulerState) -> Decision:
-        release = state.finished_in_slots()
-        if self.num_blocks is None and self.max_tokens_per_step is None:
-            return self._schedule_unlimited(state, release)
-        plan = _Plan(state, self.max_tokens_per_step, sum(r.num_blocks_held for r in release))
-        if not plan.take_running(self.chunked_prefill):
-            for request in sorted(state.running(), key=_ADMITTED_ORDER):
-                if request.id not in plan.preempted and not plan.decode(request):
-                    self._schedule_running(plan, request)
-        num_free_slots = state.num_free_slots() + len(release) + len(plan.preempted)
-        blocked = NO_BLOCKS if plan.preempted else self._admit(plan, num_free_slots)
-        preempt = sorted(plan.preempted.values(), key=lambda r: r.admitted_order)
-        return Decision(
-            release=_ids(release),
-            preempt=_ids(preempt),
-            admit=_ids(plan.admitted),
-            num_tokens=plan.num_tokens_given(),
-            blocked=blocked if state.waiting or plan.preempted else "",
-        )
+        return self.fill(StepPlan(state, self.max_tokens_per_step))
 
-    def _schedule_unlimited(self, state: SchedulerState, release: list[Request]) -> Decision:
-        """With unlimited blocks and budget nobody is preempted, every running request
-        processes all it has pending, and the free slots fill FCFS."""
-        admit = state.waiting_head(state.num_free_slots() + len(release))
-        blocked = NO_SLOT if len(state.waiting) > len(admit) else ""
-        return Decision(release=_ids(release), admit=_ids(admit), blocked=blocked)
+    def fill(self, plan: StepPlan) -> Decision:
+        """Schedule the running requests, oldest first, then admit waiting ones if nobody was preempted."""
+        for request in plan.state.running():
+            if request.id not in plan.preempted:
+                self.schedule_running(plan, request)
+        blocked = NO_BLOCKS if plan.preempted else self.admit_waiting(plan)
+        return plan.decision(blocked)
 
-    def _schedule_running(self, plan: _Plan, request: Request) -> None:
-        """Give a running request its tokens and blocks, preempting victims if blocks run out."""
-        num_tokens = plan.tokens_for(request, self.chunked_prefill or request.is_decoding)
+    def schedule_running(self, plan: StepPlan, request: Request) -> None:
+        """Give a running request its tokens and blocks, preempting victims while blocks run out."""
+        num_tokens = plan.tokens_for(request, self.chunked_prefill)
         if not num_tokens:
             return
         num_new_blocks = plan.state.num_new_blocks(request, num_tokens)
         while num_new_blocks > plan.free_blocks:
-            victim = self._victim(plan, request)
+            victim = self.choose_victim(plan.unscheduled())
             plan.preempt(victim)
             if victim is request:
                 return
         plan.schedule(request, num_tokens, num_new_blocks)
 
-    def _victim(self, plan: _Plan, request: Request) -> Request:
-        """The running request to preempt: never one already scheduled this step."""
-        candidates = [r for r in plan.state.running() if r.id not in plan.num_tokens and r.id not in plan.preempted]
+    def choose_victim(self, candidates: list[Request]) -> Request:
+        """The running request to preempt, among those not scheduled yet: the newest, or the
+        one holding the most cache."""
         if self.victim == "longest":
             return max(candidates, key=lambda r: (r.num_computed, r.admitted_order))
-        return max(candidates, key=lambda r: r.admitted_order)
+        return max(candidates, key=_ADMITTED_ORDER)
 
-    def _admit(self, plan: _Plan, num_free_slots: int) -> str:
-        """Admit waiting requests FCFS while slots, blocks and budget last; returns why the head waits."""
+    def admit_waiting(self, plan: StepPlan) -> str:
+        """Admit waiting requests in queue order while slots, blocks and budget last; returns
+        why the head waits ("" if nobody does)."""
         for request in plan.state.waiting:
-            if len(plan.admitted) == num_free_slots:
+            if not plan.free_slots:
                 return NO_SLOT
             num_tokens = plan.tokens_for(request, self.chunked_prefill)
             if not num_tokens:
@@ -214,85 +202,63 @@ class Continuous(_Policy):
             num_new_blocks = plan.state.num_new_blocks(request, num_tokens)
             if num_new_blocks > plan.free_blocks:
                 return NO_BLOCKS
-            plan.schedule(request, num_tokens, num_new_blocks)
-            plan.admitted.append(request)
+            plan.admit(request, num_tokens, num_new_blocks)
         return ""
 
 
-class _Plan:
-    """One step's schedule in the making: tokens, blocks and preemptions, before anything is applied."""
+class StepPlan:
+    """One step's schedule in the making: the slots, blocks and token budget left, and who gets
+    tokens, is preempted or admitted. Nothing is applied until the decision is."""
 
-    def __init__(self, state: SchedulerState, max_tokens_per_step: int | None, num_released_blocks: int):
+    __slots__ = ("state", "release", "budget", "free_slots", "free_blocks", "num_tokens", "preempted", "admitted")
+
+    def __init__(self, state: SchedulerState, max_tokens_per_step: int | None):
         self.state = state
+        self.release = state.finished_in_slots()
         self.budget = math.inf if max_tokens_per_step is None else max_tokens_per_step
-        self.free_blocks = state.num_free_blocks() + num_released_blocks
-        self.num_tokens: dict[int, int] = {}
+        self.free_slots = state.num_free_slots() + len(self.release)
+        self.free_blocks = state.num_free_blocks() + sum(r.num_blocks_held for r in self.release)
+        self.num_tokens: dict[int, int] = {}  # request id -> tokens this step
         self.preempted: dict[int, Request] = {}
         self.admitted: list[Request] = []
-        self.took_running = False  # whether take_running scheduled the running requests
-        self.all_pending_given = False  # whether it gave every running request all it has pending
-
-    def take_running(self, chunked_prefill: bool) -> bool:
-        """Schedule the running requests cheaply when no one needs to be preempted and either
-        the budget covers all they have pending or the steady ones (one decode token each) are
-        the oldest: then the general rule gives each steady request its token and each
-        irregular one, oldest first, what the budget allows. False, with nothing scheduled, otherwise."""
-        state = self.state
-        steady = state.seats.steady
-        num_steady_blocks = state.num_new_steady_blocks()
-        if len(steady) > self.budget or num_steady_blocks > self.free_blocks:
-            return False
-        irregular = sorted(state.seats.irregular.values(), key=_ADMITTED_ORDER)
-        if irregular and steady and len(steady) + sum(r.num_uncomputed for r in irregular) > self.budget:
-            if irregular[0].admitted_order < max(state.slots[k].admitted_order for k in steady):
-                return False
-        budget, free_blocks, given = self.budget - len(steady), self.free_blocks - num_steady_blocks, {}
-        for request in irregular:
-            wanted = request.num_uncomputed
-            num_tokens = wanted if wanted <= budget else int(budget) if chunked_prefill or request.is_decoding else 0
-            if num_tokens:
-                num_new_blocks = state.num_new_blocks(request, num_tokens)
-                if num_new_blocks > free_blocks:
-                    return False
-                budget, free_blocks, given[request.id] = budget - num_tokens, free_blocks - num_new_blocks, num_tokens
-        self.budget, self.free_blocks, self.took_running = budget, free_blocks, True
-        self.num_tokens.update(given)
-        self.all_pending_given = len(given) == len(irregular) and all(given[r.id] == r.num_uncomputed for r in irregular)
-        return True
-
-    def num_tokens_given(self) -> dict[int, int] | None:
-        """The decision's `num_tokens`: None when every request that runs processes all it has pending."""
-        if not self.took_running:
-            return self.num_tokens
-        if self.all_pending_given and all(self.num_tokens[r.id] == r.num_uncomputed for r in self.admitted):
-            return None
-        return self.state.seats.steady_tokens | self.num_tokens
 
     def tokens_for(self, request: Request, may_split: bool) -> int:
         """Tokens `request` can process within the budget left: all it has pending, a chunk
-        of them if it may split, or none."""
+        of them if it may split, or none. (A decode is one token: all or none.)"""
         wanted = request.num_uncomputed
         if wanted <= self.budget:
             return wanted
         return int(self.budget) if may_split else 0
 
-    def decode(self, request: Request) -> bool:
-        """Schedule a plain decode that needs no preemption, cheaply; False if `request` is not
-        one (the general path then decides)."""
-        num_new_blocks = self.state.decode_blocks(request)
-        if num_new_blocks is None or num_new_blocks > self.free_blocks or self.budget < 1:
-            return False
-        self.schedule(request, 1, num_new_blocks)
-        return True
+    def unscheduled(self) -> list[Request]:
+        """Running requests neither scheduled nor preempted yet."""
+        return [r for r in self.state.running() if r.id not in self.num_tokens and r.id not in self.preempted]
 
     def schedule(self, request: Request, num_tokens: int, num_new_blocks: int) -> None:
         self.free_blocks -= num_new_blocks
         self.budget -= num_tokens
         self.num_tokens[request.id] = num_tokens
 
+    def admit(self, request: Request, num_tokens: int, num_new_blocks: int) -> None:
+        self.schedule(request, num_tokens, num_new_blocks)
+        self.free_slots -= 1
+        self.admitted.append(request)
+
     def preempt(self, request: Request) -> None:
         self.free_blocks += request.num_blocks_held
+        self.free_slots += 1
         self.preempted[request.id] = request
+
+    def decision(self, blocked: str) -> Decision:
+        """The decision: preempted requests wait oldest first; `blocked` only if someone waits."""
+        preempt = sorted(self.preempted.values(), key=_ADMITTED_ORDER)
+        return Decision(
+            release=_ids(self.release),
+            preempt=_ids(preempt),
+            admit=_ids(self.admitted),
+            num_tokens=self.num_tokens,
+            blocked=blocked if self.state.waiting or preempt else "",
+        )
 
 
 @dataclass(frozen=True, repr=False)

@@ -27,6 +27,7 @@ import numpy as np
 
 from labkit.sched.cost import CostModel
 from labkit.sched.driver import drive
+from labkit.sched.fastforward import fast_forward as fast_forward_run
 from labkit.sched.state import Batch, SchedulerState
 from labkit.sched.steplog import RunSeconds, StepLog
 from labkit.traffic import Trace
@@ -44,7 +45,7 @@ class FixedStepTime:
     def steps_until(self, batch: Batch, max_steps: int, seconds: float) -> int:
         return max(1, min(max_steps, math.ceil(seconds / self.step_time)))
 
-    def execute(self, state: SchedulerState, batch: Batch, num_steps: int, log: StepLog) -> float:
+    def execute(self, state: SchedulerState, batch: Batch, log: StepLog, num_steps: int = 1) -> float:
         return self.step_time
 
 
@@ -64,19 +65,20 @@ class ModeledStepTime:
         first = self._first_step_seconds(batch)
         if seconds <= first or max_steps == 1:
             return 1
-        return 1 + self.cost.decode_run_length(batch.size, batch.num_kv_tokens + batch.size, seconds - first, max_steps - 1)
+        after_first = batch.work().num_kv_tokens + batch.size
+        return 1 + self.cost.decode_run_length(batch.size, after_first, seconds - first, max_steps - 1)
 
-    def execute(self, state: SchedulerState, batch: Batch, num_steps: int, log: StepLog) -> float | RunSeconds:
-        log.record_kv_tokens(batch.num_kv_tokens, num_steps, batch.size)
+    def execute(self, state: SchedulerState, batch: Batch, log: StepLog, num_steps: int = 1) -> float | RunSeconds:
+        log.record_kv_tokens(batch.work().num_kv_tokens, num_steps, batch.size)
         first = self._first_step_seconds(batch)
         if num_steps == 1:
             return first
-        rest = (batch.size, batch.num_kv_tokens + batch.size, num_steps - 1)  # a decode run after the first step
+        rest = (batch.size, batch.work().num_kv_tokens + batch.size, num_steps - 1)  # a decode run after the first step
         per_step = partial(_prepend, first, partial(self.cost.decode_run_seconds, *rest))
         return RunSeconds(first + self.cost.decode_run_total(*rest), per_step)
 
     def _first_step_seconds(self, batch: Batch) -> float:
-        return self.cost.step_seconds(batch.num_prefill_tokens, batch.num_decode_tokens, batch.num_kv_tokens, batch.size)
+        return self.cost.step_seconds(*batch.work(), batch.size)
 
 
 def _prepend(first: float, rest: Callable[[], np.ndarray]) -> np.ndarray:
@@ -89,18 +91,26 @@ def simulate(
     step_time: float = DEFAULT_STEP_TIME,
     on_step: Callable[[StepLog], None] | None = None,
     cost: CostModel | None = None,
+    fast_forward: bool = True,
 ) -> StepLog:
     """Predict how `policy` serves `trace`; `on_step(log)` is called after every step if given.
 
     Steps take `step_time` seconds each, or what `cost` predicts for their work if given.
+    fast_forward: run each decision until the next event at once (`labkit.sched.fastforward`);
+    False, or an `on_step`, asks the policy before every step instead. The log is the same.
     """
     if isinstance(step_time, bool) or not isinstance(step_time, (int, float)) or not step_time > 0:
         raise ValueError(f"step_time = {step_time!r}: must be a number of seconds > 0")
     if cost is not None and not isinstance(cost, CostModel):
         raise ValueError(f"cost = {cost!r}: must be a labkit.CostModel or None")
+    if not isinstance(fast_forward, bool):
+        raise ValueError(f"fast_forward = {fast_forward!r}: must be True or False")
     backend = FixedStepTime(step_time) if cost is None else ModeledStepTime(cost)
     with nullcontext() if on_step else _cyclic_gc_paused():
-        log = drive(trace, policy, backend, on_step)
+        if fast_forward and not on_step:
+            log = fast_forward_run(trace, policy, backend)
+        else:
+            log = drive(trace, policy, backend, on_step)
     log.cost, log.overlap = cost, cost is not None and cost.overlap
     return log
 

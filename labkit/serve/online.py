@@ -92,7 +92,7 @@ class OnlineEngine:
         cache = PagedKVCache(engine.config, self.blocks.num_blocks, policy.block_size, engine.device, engine.dtype)
         graphs = DecodeGraphs(engine.model, cache) if engine.cuda_graphs else None
         self.steps = OnlineSteps(engine, cache, policy, graphs)
-        self.state = SchedulerState(policy.num_slots, [], self.blocks)
+        self.state = SchedulerState(policy.num_slots, [], self.blocks, getattr(policy, "queue_order", None))
         self.start = time.perf_counter()
         self.step_sizes: list[int] = []  # requests scheduled in each step, for the record
         self._clients: dict[int, Client] = {}
@@ -197,12 +197,12 @@ class OnlineEngine:
         return decision, self.state.batch(decision)
 
     def _step(self, batch) -> None:
-        self.state.grow(batch, 1)
-        self.steps.execute(self.state, batch, 1, NoRecord())
+        self.state.allocate(batch)
+        self.steps.execute(self.state, batch, NoRecord())
         self.step_sizes.append(batch.size)
-        for request, _ in batch.rows(self.state):
+        for request, _ in batch.rows:
             self._send_new_tokens(request.index)
-        for index in self.state.advance(batch, 1):
+        for index in self.state.complete(batch):
             self._clients.pop(index).on_finish("length")
         self._publish_state()
 

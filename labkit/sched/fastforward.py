@@ -1,0 +1,156 @@
+"""Fast-forward: `drive`'s loop for a back end that knows its step times in advance (the
+simulator), running each decision for as many steps as it holds.
+
+Asking the policy before every step is what `drive` does, and what a student reads. It
+costs one decision per step: the Azure trace is some 65,000 steps. But a decision only
+changes on an event, so this loop asks once per event and writes one log segment per run
+of identical steps. It relies on three facts the plain core states, and on nothing else:
+
+- a policy decides only on events (`labkit.sched.policy`): a decision made before a
+  run of plain decode steps, in which nobody finishes, arrives or runs out of blocks,
+  holds for all of them. An arrival is no event while the head of the queue waits for
+  a slot, blocks or budget under a policy that `admits_in_order`; under any other
+  policy (a sorted queue, or one that does not say) every arrival is one;
+- in a decode step each scheduled request processes its one uncomputed token and emits
+  the next (`labkit.sched.state`): after n of them its `num_generated` is n further on
+  and its `num_uncomputed` is still 1;
+- a request holds exactly the blocks its cached tokens fill, or the whole length it
+  reserved (`labkit.sched.state`). So one that grows takes a block every `block_size`
+  steps, each at its own phase, and the pool runs dry at a step known in closed form
+  (`block_phases`).
+
+The back end prices a run of steps in closed form too (`labkit.sched.simulator`).
+
+Invariant: a fast-forwarded run writes the same StepLog (slots, queue depth, blocked
+reasons, step times, blocks in use, preemptions, outputs) as `drive` asking the policy
+before every step; tests/test_fastforward.py compares them with every knob.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+
+from labkit.sched.blocks import BlockPool
+from labkit.sched.driver import Pending, Steps, describe_step, end_run, log_steps, next_batch, start_run, wait
+from labkit.sched.policy import HEAD_BLOCKED, NO_BUDGET, Decision
+from labkit.sched.state import Batch, SchedulerState
+from labkit.sched.steplog import TIME_SLACK, RunSeconds, StepLog
+from labkit.traffic import Trace
+
+
+class PlannedBackend(Protocol):
+    """A back end whose step times are known before the steps run."""
+
+    def execute(self, state: SchedulerState, batch: Batch, log: StepLog, num_steps: int = 1) -> float | RunSeconds:
+        """Seconds of each of `num_steps` steps of `batch` (its tokens in the first, one
+        decode token each after), or a RunSeconds when they differ."""
+
+    def steps_until(self, batch: Batch, max_steps: int, seconds: float) -> int:
+        """How many of the next `max_steps` steps of `batch` run, at least one, until `seconds`
+        have passed: the step during which they pass counts."""
+
+
+def fast_forward(trace: Trace, policy, backend: PlannedBackend, blocks: BlockPool | None = None) -> StepLog:
+    """Serve `trace` with `policy` as `drive` does, each decision run until the next event."""
+    state, pending, log = start_run(trace, policy, blocks)
+    num_unfinished = len(state.by_id)
+    while num_unfinished:
+        decision, batch = next_batch(state, pending, policy, log)
+        if not batch.size:
+            wait(state, pending, decision, policy)
+            continue
+        state.allocate(batch)
+        steps = describe_step(state, batch, decision)
+        num_steps, phases = plan_run(state, batch, steps, pending, decision, backend, policy)
+        seconds = backend.execute(state, batch, log, num_steps)
+        run_steps(state, batch, steps, num_steps, phases)
+        end = state.now + (seconds.total if isinstance(seconds, RunSeconds) else num_steps * seconds)
+        log_steps(log, steps, state.now, seconds, pending.times_by(end) if num_steps > 1 else None)
+        state.now = end
+        num_unfinished -= len(steps.finished)
+    end_run(state)
+    return log
+
+
+def repeats(decision: Decision, batch: Batch, first: Steps) -> bool:
+    """Whether the steps after the `first` are scheduled alike until the next event: every
+    request emits in it, so it decodes next; nobody was preempted (a preempting step admits
+    nobody); and no waiting request was held back only by budget this step's prefills use."""
+    if decision.preempt or first.num_emitted < batch.size:
+        return False
+    return decision.blocked != NO_BUDGET or not first.prefills
+
+
+def plan_run(state: SchedulerState, batch: Batch, first: Steps, pending: Pending, decision: Decision,
+             backend: PlannedBackend, policy) -> tuple[int, np.ndarray | None]:
+    """Steps the decision holds for, the `first` of which may complete prefills: until a
+    request finishes, the free blocks stop covering the growth, one arrives (if that
+    matters), or the policy wakes. Also the growing requests' block phases, if any."""
+    if not repeats(decision, batch, first):
+        return 1, None
+    count = min([request.output_len - request.num_generated for request, _ in batch.rows])
+    phases = block_phases(state, batch) if state.blocks is not None else None
+    if phases is not None and len(phases):
+        count = min(count, steps_within(phases, state.blocks.num_free_blocks, state.blocks.block_size))
+    arrivals_matter = not (getattr(policy, "admits_in_order", False) and decision.blocked in HEAD_BLOCKED)
+    moments = [m for m in (pending.next_arrival() if arrivals_matter else None, decision.wake_at) if m is not None]
+    if moments:
+        count = backend.steps_until(batch, count, min(moments) - state.now - TIME_SLACK)
+    return count, phases
+
+
+def block_phases(state: SchedulerState, batch: Batch) -> np.ndarray:
+    """Sorted, one per request of `batch` that grows block by block: the step of the run
+    (the first is 1, its blocks taken already) in which it takes its next block. It holds
+    ceil(c / b) blocks for the c tokens cached after the first step, so it takes the next
+    when its cache passes that many blocks' worth, at step ceil(c / b) * b - c + 2, and one
+    more every b steps after. A request that reserved its whole length takes none."""
+    block_size, phases = state.blocks.block_size, []
+    for request, num_tokens in batch.rows:
+        full = len(request.block_table) * block_size  # tokens its blocks hold
+        if full < request.max_context_len:
+            phases.append(full - request.num_computed - num_tokens + 2)
+    return np.sort(np.array(phases, np.int64))
+
+
+def steps_within(phases: np.ndarray, num_free_blocks: int, block_size: int) -> int:
+    """Steps of the run the free blocks cover. Every block_size steps each growing request
+    takes one block, in the order of their phases, so the (free + 1)-th block is needed at
+    step phases[free % n] + (free // n) * block_size, and the run ends just before it."""
+    cycles, position = divmod(num_free_blocks, len(phases))
+    return int(phases[position]) + cycles * block_size - 1
+
+
+def run_steps(state: SchedulerState, batch: Batch, steps: Steps, num_steps: int, phases: np.ndarray | None) -> None:
+    """Count `num_steps` steps of `batch` done, and fill in `steps`, the log's view of the first:
+    one step as `drive` counts it, or, for a run, each request emits `num_steps` tokens,
+    leaves its next one uncomputed, and holds the blocks its cached tokens fill."""
+    if num_steps == 1:
+        steps.finished = state.complete(batch)
+        return
+    for request, _ in batch.rows:
+        request.num_generated += num_steps
+        request.num_uncomputed = 1
+        if phases is not None and (num_new_blocks := state.num_new_blocks(request, 0)):
+            state.blocks.allocate(request.block_table, num_new_blocks)
+        if request.num_generated == request.output_len:
+            steps.finished.append(request.index)
+    state.num_steps += num_steps
+    steps.count = num_steps
+    if phases is not None and len(phases):
+        steps.num_blocks_used = BlocksInUse(steps.num_blocks_used, phases, state.blocks.block_size, num_steps)
+
+
+class BlocksInUse:
+    """Blocks in use at each step of a run, computed when the log is read: those in use in
+    its first step, plus the blocks the growing requests have taken by then (see `block_phases`)."""
+
+    def __init__(self, first: int, phases: np.ndarray, block_size: int, num_steps: int):
+        self.first, self.phases, self.block_size, self.num_steps = first, phases, block_size, num_steps
+
+    def __call__(self) -> np.ndarray:
+        steps = np.arange(1, self.num_steps + 1)[:, None]  # (steps, 1)
+        taken = np.maximum(0, (steps - self.phases[None, :]) // self.block_size + 1)  # (steps, growing)
+        return self.first + taken.sum(axis=1)

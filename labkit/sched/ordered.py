@@ -1,0 +1,99 @@
+"""Two policies that admit out of arrival order: `Continuous`, with the waiting queue sorted
+another way.
+
+- `Priority` serves lower `priority` values first, as vLLM's priority scheduling does,
+  and lets the head of the queue push lower-priority running requests out.
+- `ShortestPredictedFirst` admits the shortest predicted output first. A perfect
+  predictor knows each output length; a noisy one is off by a factor e^(noise * z).
+
+Invariants:
+
+- each request's place in the queue is fixed from its arrival (its priority, or its
+  prediction, drawn once from the policy's seed and the request id), so a decision still
+  depends only on the state, as `labkit.sched.policy` requires;
+- neither `admits_in_order`: an arrival may go straight to the head of the queue, so for
+  the fast-forward every arrival is an event;
+- `Priority` preempts for the first waiting request it cannot admit, and only when that
+  gives it a slot and its blocks beside those admitted before it, and never a request of
+  its priority or higher. During a run of decode steps that request stays first, the
+  free slots stay, and the free blocks plus those of lower-priority requests only
+  shrink: so if it could not make room at the run's start, it cannot at any step of it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from labkit.sched.policy import NO_BLOCKS, NO_SLOT, Continuous, Decision, StepPlan
+from labkit.sched.state import Request, SchedulerState
+
+
+@dataclass(frozen=True, repr=False)
+class Priority(Continuous):
+    """Continuous batching by priority: lower `priority` first, then first come. When the
+    head of the queue has no slot or no blocks, running requests of lower priority are
+    preempted to make room, lowest priority and newest first; and a running request that
+    runs out of blocks preempts the lowest-priority one."""
+
+    admits_in_order = False
+
+    def queue_order(self, request: Request) -> int:
+        return request.priority
+
+    def choose_victim(self, candidates: list[Request]) -> Request:
+        return max(candidates, key=lambda r: (r.priority, r.admitted_order))
+
+    def schedule(self, state: SchedulerState) -> Decision:
+        plan = StepPlan(state, self.max_tokens_per_step)
+        decision = self.fill(plan)
+        if decision.blocked in (NO_SLOT, NO_BLOCKS) and not decision.preempt:
+            victims = self.victims_for(plan, state.waiting[len(plan.admitted)])
+            if victims:  # decide again, with them out: a preempting step admits nobody
+                room = StepPlan(state, self.max_tokens_per_step)
+                for victim in victims:
+                    room.preempt(victim)
+                return self.fill(room)
+        return decision
+
+    def victims_for(self, plan: StepPlan, head: Request) -> list[Request]:
+        """Lower-priority running requests whose slots and blocks would let `head` in beside
+        those `plan` admits before it, lowest priority and newest first; none if all would not."""
+        lower = [r for r in plan.state.running() if r.priority > head.priority]
+        num_new_blocks = plan.state.num_new_blocks(head, head.num_uncomputed)
+        victims, slots, blocks = [], plan.free_slots, plan.free_blocks
+        while lower and not (slots and blocks >= num_new_blocks):
+            victim = self.choose_victim(lower)
+            lower.remove(victim)
+            victims.append(victim)
+            scheduled_blocks = plan.state.num_new_blocks(victim, plan.num_tokens.get(victim.id, 0))
+            slots, blocks = slots + 1, blocks + victim.num_blocks_held + scheduled_blocks
+        return victims if slots and blocks >= num_new_blocks else []
+
+
+@dataclass(frozen=True, repr=False)
+class ShortestPredictedFirst(Continuous):
+    """Continuous batching that admits the shortest predicted output first. The prediction
+    is the true length times e^(noise * z), z a standard normal drawn from (seed, request
+    id): noise 0 is a perfect predictor, noise 1 is typically off by a factor of e."""
+
+    noise: float = field(default=0.0, kw_only=True)
+    seed: int = field(default=0, kw_only=True)
+    admits_in_order = False
+
+    def __post_init__(self):
+        super().__post_init__()
+        if isinstance(self.noise, bool) or not isinstance(self.noise, (int, float)) or not (
+                math.isfinite(self.noise) and self.noise >= 0):
+            raise ValueError(f"noise = {self.noise!r}: must be a finite number >= 0")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"seed = {self.seed!r}: must be a whole number >= 0")
+
+    def predicted_output_len(self, request: Request) -> float:
+        z = np.random.default_rng([self.seed, request.id]).standard_normal()
+        return request.output_len * math.exp(self.noise * z)
+
+    def queue_order(self, request: Request) -> float:
+        return self.predicted_output_len(request)

@@ -1,0 +1,50 @@
+"""Hypothesis strategies the scheduling tests share: traces and policies with every knob."""
+
+import numpy as np
+from hypothesis import strategies as st
+
+import labkit as lk
+
+TIMINGS = [  # a constant step, and a cost model whose steps differ by their work
+    {"step_time": 0.1},
+    {"cost": lk.CostModel(overhead=0.01, per_prefill_token=0.002, per_decode_token=0.003, per_kv_token=1e-4)},
+]
+
+
+@st.composite
+def traces(draw, spread=True):
+    """Up to 25 requests without prompts, all at t=0 or spread out."""
+    lengths = draw(st.lists(st.integers(1, 25), min_size=1, max_size=25))
+    if spread and draw(st.booleans()):
+        gaps = draw(st.lists(st.sampled_from([0.0, 0.05, 0.1, 0.25, 1.0]), min_size=len(lengths), max_size=len(lengths)))
+        return lk.Trace.from_lengths(lengths, arrivals=np.cumsum(gaps))
+    return lk.Trace.from_lengths(lengths)
+
+
+@st.composite
+def prompted_traces(draw, with_priorities=False):
+    """Up to 12 requests with prompts and spread arrivals, and priorities 0..2 if asked."""
+    num_requests = draw(st.integers(1, 12))
+    lengths = draw(st.lists(st.integers(1, 12), min_size=num_requests, max_size=num_requests))
+    prompts = draw(st.lists(st.integers(0, 12), min_size=num_requests, max_size=num_requests))
+    gaps = draw(st.lists(st.sampled_from([0.0, 0.05, 0.3]), min_size=num_requests, max_size=num_requests))
+    trace = lk.Trace.from_lengths(lengths, prompt_lengths=prompts, arrivals=np.cumsum(gaps))
+    if with_priorities:
+        trace = trace.with_priorities(draw(st.lists(st.integers(0, 2), min_size=num_requests, max_size=num_requests)))
+    return trace
+
+
+@st.composite
+def knobs(draw, kinds=(lk.Continuous,)):
+    """A Continuous-like policy (or Priority, ShortestPredictedFirst) with every knob drawn."""
+    kind = draw(st.sampled_from(kinds))
+    extra = {"noise": draw(st.sampled_from([0.0, 0.5, 2.0]))} if kind is lk.ShortestPredictedFirst else {}
+    return kind(
+        draw(st.integers(1, 5)),
+        num_blocks=draw(st.one_of(st.none(), st.integers(8, 40))),
+        block_size=draw(st.integers(1, 6)),
+        max_tokens_per_step=draw(st.one_of(st.none(), st.integers(1, 40))),
+        chunked_prefill=draw(st.booleans()),
+        victim=draw(st.sampled_from(["newest", "longest"])),
+        **extra,
+    )
