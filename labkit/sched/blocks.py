@@ -32,9 +32,6 @@ class BlockPool:
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def can_allocate(self, num_blocks: int) -> bool:
-        return num_blocks <= len(self.free_ids)
-
     def allocate(self, block_table: list[int], num_blocks: int) -> None:
         """Lend `num_blocks` more blocks, appended to `block_table`."""
         assert 0 <= num_blocks <= len(self.free_ids), f"allocate {num_blocks} blocks with {len(self.free_ids)} free"

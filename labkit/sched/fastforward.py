@@ -17,7 +17,7 @@ of identical steps. It relies on three facts the plain core states, and on nothi
 - a request holds exactly the blocks its cached tokens fill, or the whole length it
   reserved (`labkit.sched.state`). So one that grows takes a block every `block_size`
   steps, each at its own phase, and the pool runs dry at a step known in closed form
-  (`block_phases`).
+  (`Growth`).
 
 The back end prices a run of steps in closed form too (`labkit.sched.simulator`).
 
@@ -35,7 +35,7 @@ import numpy as np
 from labkit.sched.blocks import BlockPool
 from labkit.sched.driver import Pending, Steps, describe_step, end_run, log_steps, next_batch, start_run, wait
 from labkit.sched.policy import HEAD_BLOCKED, NO_BUDGET, Decision
-from labkit.sched.state import Batch, SchedulerState
+from labkit.sched.state import Batch, Request, SchedulerState
 from labkit.sched.steplog import TIME_SLACK, RunSeconds, StepLog
 from labkit.traffic import Trace
 
@@ -63,9 +63,9 @@ def fast_forward(trace: Trace, policy, backend: PlannedBackend, blocks: BlockPoo
             continue
         state.allocate(batch)
         steps = describe_step(state, batch, decision)
-        num_steps, phases = plan_run(state, batch, steps, pending, decision, backend, policy)
+        num_steps, growth = plan_run(state, batch, steps, pending, decision, backend, policy)
         seconds = backend.execute(state, batch, log, num_steps)
-        run_steps(state, batch, steps, num_steps, phases)
+        run_steps(state, batch, steps, num_steps, growth)
         end = state.now + (seconds.total if isinstance(seconds, RunSeconds) else num_steps * seconds)
         log_steps(log, steps, state.now, seconds, pending.times_by(end) if num_steps > 1 else None)
         state.now = end
@@ -84,68 +84,90 @@ def repeats(decision: Decision, batch: Batch, first: Steps) -> bool:
 
 
 def plan_run(state: SchedulerState, batch: Batch, first: Steps, pending: Pending, decision: Decision,
-             backend: PlannedBackend, policy) -> tuple[int, np.ndarray | None]:
+             backend: PlannedBackend, policy) -> tuple[int, Growth | None]:
     """Steps the decision holds for, the `first` of which may complete prefills: until a
     request finishes, the free blocks stop covering the growth, one arrives (if that
-    matters), or the policy wakes. Also the growing requests' block phases, if any."""
+    matters), or the policy wakes. Also who grows block by block, if anyone."""
     if not repeats(decision, batch, first):
         return 1, None
     count = min([request.output_len - request.num_generated for request, _ in batch.rows])
-    phases = block_phases(state, batch) if state.blocks is not None else None
-    if phases is not None and len(phases):
-        count = min(count, steps_within(phases, state.blocks.num_free_blocks, state.blocks.block_size))
+    growth = Growth.of(batch, state.blocks.block_size) if state.blocks is not None else None
+    if growth is not None:
+        count = min(count, growth.steps_within(state.blocks.num_free_blocks))
     arrivals_matter = not (getattr(policy, "admits_in_order", False) and decision.blocked in HEAD_BLOCKED)
     moments = [m for m in (pending.next_arrival() if arrivals_matter else None, decision.wake_at) if m is not None]
     if moments:
         count = backend.steps_until(batch, count, min(moments) - state.now - TIME_SLACK)
-    return count, phases
+    return count, growth
 
 
-def block_phases(state: SchedulerState, batch: Batch) -> np.ndarray:
-    """Sorted, one per request of `batch` that grows block by block: the step of the run
-    (the first is 1, its blocks taken already) in which it takes its next block. It holds
-    ceil(c / b) blocks for the c tokens cached after the first step, so it takes the next
-    when its cache passes that many blocks' worth, at step ceil(c / b) * b - c + 2, and one
-    more every b steps after. A request that reserved its whole length takes none."""
-    block_size, phases = state.blocks.block_size, []
-    for request, num_tokens in batch.rows:
-        full = len(request.block_table) * block_size  # tokens its blocks hold
-        if full < request.max_context_len:
-            phases.append(full - request.num_computed - num_tokens + 2)
-    return np.sort(np.array(phases, np.int64))
+class Growth:
+    """The requests of a run that grow block by block, and the step of the run (the first
+    is 1, its blocks taken already) in which each takes its next block: its phase. One
+    holds ceil(c / b) blocks for the c tokens cached after the first step, so it takes
+    the next when its cache passes that many blocks' worth, at step ceil(c / b) * b - c + 2,
+    and one more every b steps after. A request that reserved its whole length takes none."""
+
+    def __init__(self, requests: list[Request], phases: list[int], block_size: int):
+        self.requests, self.block_size = requests, block_size
+        self.phases = np.array(phases, np.int64)  # (growing,), each in 2 .. block_size + 1
+
+    @classmethod
+    def of(cls, batch: Batch, block_size: int) -> Growth | None:
+        requests, phases = [], []
+        for request, _ in batch.rows:
+            full = len(request.block_table) * block_size  # tokens its blocks hold
+            if full < request.max_context_len:
+                cached = request.num_prompt_tokens + request.num_generated  # after the first step, which emits
+                requests.append(request)
+                phases.append(full - cached + 2)
+        return cls(requests, phases, block_size) if requests else None
+
+    def steps_within(self, num_free_blocks: int) -> int:
+        """Steps of the run the free blocks cover: see `steps_within`."""
+        return steps_within(np.sort(self.phases), num_free_blocks, self.block_size)
+
+    def take_blocks(self, pool: BlockPool, num_steps: int) -> None:
+        """Lend each growing request the blocks it takes in `num_steps` steps."""
+        for request, phase in zip(self.requests, self.phases.tolist()):
+            if num_steps >= phase:
+                pool.allocate(request.block_table, (num_steps - phase) // self.block_size + 1)
+
+    def blocks_in_use(self, first: int, num_steps: int) -> BlocksInUse:
+        return BlocksInUse(first, self.phases, self.block_size, num_steps)
 
 
 def steps_within(phases: np.ndarray, num_free_blocks: int, block_size: int) -> int:
-    """Steps of the run the free blocks cover. Every block_size steps each growing request
-    takes one block, in the order of their phases, so the (free + 1)-th block is needed at
-    step phases[free % n] + (free // n) * block_size, and the run ends just before it."""
+    """Steps of a run that `num_free_blocks` cover, given the sorted phases of the growing
+    requests. Every block_size steps each takes one block, in the order of their phases,
+    so the (free + 1)-th block is needed at step phases[free % n] + (free // n) * block_size,
+    and the run ends just before it."""
     cycles, position = divmod(num_free_blocks, len(phases))
     return int(phases[position]) + cycles * block_size - 1
 
 
-def run_steps(state: SchedulerState, batch: Batch, steps: Steps, num_steps: int, phases: np.ndarray | None) -> None:
+def run_steps(state: SchedulerState, batch: Batch, steps: Steps, num_steps: int, growth: Growth | None) -> None:
     """Count `num_steps` steps of `batch` done, and fill in `steps`, the log's view of the first:
-    one step as `drive` counts it, or, for a run, each request emits `num_steps` tokens,
-    leaves its next one uncomputed, and holds the blocks its cached tokens fill."""
+    one step as `drive` counts it, or, for a run, each request emits `num_steps` tokens and
+    leaves its next one uncomputed, and each growing one takes its blocks."""
     if num_steps == 1:
         steps.finished = state.complete(batch)
         return
     for request, _ in batch.rows:
         request.num_generated += num_steps
         request.num_uncomputed = 1
-        if phases is not None and (num_new_blocks := state.num_new_blocks(request, 0)):
-            state.blocks.allocate(request.block_table, num_new_blocks)
         if request.num_generated == request.output_len:
             steps.finished.append(request.index)
     state.num_steps += num_steps
     steps.count = num_steps
-    if phases is not None and len(phases):
-        steps.num_blocks_used = BlocksInUse(steps.num_blocks_used, phases, state.blocks.block_size, num_steps)
+    if growth is not None:
+        growth.take_blocks(state.blocks, num_steps)
+        steps.num_blocks_used = growth.blocks_in_use(steps.num_blocks_used, num_steps)
 
 
 class BlocksInUse:
     """Blocks in use at each step of a run, computed when the log is read: those in use in
-    its first step, plus the blocks the growing requests have taken by then (see `block_phases`)."""
+    its first step, plus the blocks the growing requests have taken by then (see `Growth`)."""
 
     def __init__(self, first: int, phases: np.ndarray, block_size: int, num_steps: int):
         self.first, self.phases, self.block_size, self.num_steps = first, phases, block_size, num_steps
