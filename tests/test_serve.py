@@ -6,7 +6,9 @@ stops by itself, and the load test is bounded in requests and time."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import re
 import socket
 import threading
 import time
@@ -133,13 +135,16 @@ def test_concurrent_requests_share_steps_and_keep_their_tokens(served):
     (dict(prompt=[5], max_tokens="four"), "max_tokens: Input should be a valid integer"),
     (dict(prompt=[5], max_tokens=2, model="gpt-4"), "model = 'gpt-4': this server serves 'tiny'"),
     (dict(max_tokens=2), "prompt: Field required"),
+    (dict(prompt=[5], max_tokens=2, priority=1.5), "priority: Input should be a valid integer \\(got 1.5\\)"),
+    (dict(prompt=[5], max_tokens=2, priority="high"), "priority: Input should be a valid integer \\(got 'high'\\)"),
+    (dict(prompt=[5], max_tokens=2, priority=True), "priority: Input should be a valid integer \\(got True\\)"),
 ])
 def test_bad_input_gets_an_openai_error_and_the_server_serves_on(served, body, message):
     answer = complete(served.url, **body)
     assert answer.status_code == 400
     error = answer.json()
     assert error["object"] == "error" and error["code"] == 400
-    assert __import__("re").search(message, error["message"]), error["message"]
+    assert re.search(message, error["message"]), error["message"]
     assert len(complete(served.url, prompt=[5], max_tokens=2).json()["choices"][0]["token_ids"]) == 2
 
 
@@ -366,3 +371,156 @@ def test_every_policy_serves_online_with_engine_run_tokens(policy):
         assert wait_until(lambda: online.blocks.num_free_blocks == online.blocks.num_blocks)
     finally:
         online.stop()
+
+
+# Policies that admit out of arrival order, and the `priority` field
+
+
+def serve_args(*argv: str):
+    from labkit.cli import build_parser
+
+    parser, _ = build_parser()
+    return parser.parse_args(["serve", *argv])
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--policy", "priority", "--slots", "2", "--blocks", "40", "--block-size", "4", "--budget", "64",
+      "--chunked-prefill"],
+     lk.Priority(num_slots=2, num_blocks=40, block_size=4, max_tokens_per_step=64, chunked_prefill=True)),
+    (["--policy", "spf", "--slots", "3", "--budget", "32", "--noise", "0.5", "--predictor-seed", "7"],
+     lk.ShortestPredictedFirst(num_slots=3, max_tokens_per_step=32, noise=0.5, seed=7)),
+    (["--policy", "spf", "--noise", "0"], lk.ShortestPredictedFirst(num_slots=8)),
+    (["--policy", "continuous"], lk.Continuous(num_slots=8)),
+], ids=lambda value: " ".join(value) if isinstance(value, list) else None)
+def test_policy_from_builds_the_policy_with_its_knobs(argv, expected):
+    from labkit.serve.server import policy_from
+
+    policy = policy_from(serve_args(*argv))
+    assert type(policy) is type(expected) and policy == expected
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--policy", "static", "--noise", "0.5"], "--noise and --predictor-seed apply to --policy spf, not static"),
+    (["--policy", "priority", "--predictor-seed", "3"], "--noise and --predictor-seed apply to --policy spf, not priority"),
+    (["--policy", "continuous", "--noise", "0"], "--noise and --predictor-seed apply to --policy spf, not continuous"),
+    (["--policy", "dynamic", "--budget", "8"],
+     "--budget and --chunked-prefill apply to --policy continuous, priority, spf, not dynamic"),
+])
+def test_policy_from_refuses_the_knobs_of_another_policy(argv, message):
+    from labkit.serve.server import policy_from
+
+    with pytest.raises(ValueError) as problem:
+        policy_from(serve_args(*argv))
+    assert str(problem.value) == message
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--policy", "static", "--noise", "1"], "--noise and --predictor-seed apply to --policy spf, not static"),
+    (["--policy", "spf", "--noise", "-1"], "argument --noise: '-1': must be a number >= 0"),
+    (["--policy", "spf", "--noise", "nan"], "argument --noise: 'nan': must be a number >= 0"),
+    (["--policy", "spf", "--predictor-seed", "-2"], "argument --predictor-seed: '-2': must be a whole number >= 0"),
+    (["--policy", "fifo"], "argument --policy: invalid choice: 'fifo'"),
+])
+def test_labkit_serve_refuses_a_bad_policy_knob_in_one_error_line(argv, message, capsys):
+    from labkit.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--device", "cpu", *argv])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1].startswith("labkit serve: error: ") and message in err.splitlines()[-1], err
+
+
+class StepGate:
+    """Holds an online engine's first step until `go` is set (`held` is set once it is held), and
+    records the request ids that work in every step: the server's own account of who ran when."""
+
+    def __init__(self, online):
+        self.held, self.go, self.steps = threading.Event(), threading.Event(), []
+        execute = online.steps.execute
+
+        def gated(state, batch, log):
+            self.held.set()
+            self.go.wait(timeout=20)
+            self.steps.append([request.id for request, _ in batch.rows])
+            return execute(state, batch, log)
+
+        online.steps.execute = gated
+
+    def first_step_order(self) -> list[int]:
+        """Request ids in the order of the first step each worked in."""
+        return list(dict.fromkeys(request_id for step in self.steps for request_id in step))
+
+
+ONE_SLOT_PROMPTS, ONE_SLOT_LENGTHS, ONE_SLOT_PRIORITIES = [[5, 6], [9], [30, 31]], [24, 4, 4], [0, 5, 1]
+
+
+def serve_in_one_slot(policy: str) -> tuple[list[int], list[list[int]], list[list[int]]]:
+    """Request 0 (priority 0, 24 tokens) holds the only slot; while it runs, request 1 (priority 5)
+    is sent, then request 2 (priority 1). Returns the ids in the order they first ran, the tokens
+    each received, and Engine.run's tokens for the same prompts."""
+    from labkit.serve.server import policy_from
+
+    server = Served(policy_from(serve_args("--policy", policy, "--slots", "1")))
+    gate = StepGate(server.online)
+    try:
+        with httpx.Client(timeout=30) as client, contextlib.ExitStack() as streams:
+            answers = []
+            for prompt, length, priority in zip(ONE_SLOT_PROMPTS, ONE_SLOT_LENGTHS, ONE_SLOT_PRIORITIES):
+                payload = {"model": MODEL, "prompt": prompt, "max_tokens": length, "priority": priority, "stream": True}
+                # entered once the server has queued the request: they are sent one after the other
+                answers.append(streams.enter_context(client.stream("POST", f"{server.url}/v1/completions", json=payload)))
+                assert gate.held.wait(timeout=20)  # request 0 is in the slot, its first step held
+            gate.go.set()
+            received = [streamed_token_ids(answer) for answer in answers]
+    finally:
+        server.stop()
+    return gate.first_step_order(), received, reference_tokens(server.engine, ONE_SLOT_PROMPTS, ONE_SLOT_LENGTHS)
+
+
+def streamed_token_ids(answer: httpx.Response) -> list[int]:
+    assert answer.status_code == 200
+    tokens = []
+    for line in answer.iter_lines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            tokens += json.loads(line[6:])["choices"][0]["token_ids"]
+    return tokens
+
+
+def test_under_policy_priority_a_later_request_with_a_better_priority_runs_first():
+    order, received, expected = serve_in_one_slot("priority")
+    assert order == [0, 2, 1]  # request 1 came first but waits: request 2's priority 1 beats its 5
+    assert received == expected
+
+
+def test_first_come_first_served_ignores_the_priority_field():
+    """The control: the same requests, with the same priorities, under --policy continuous."""
+    order, received, expected = serve_in_one_slot("continuous")
+    assert order == [0, 1, 2]
+    assert received == expected
+
+
+def test_submit_refuses_a_priority_that_is_not_a_whole_number():
+    from labkit.serve.online import Client, OnlineEngine
+
+    online = OnlineEngine(Engine(TINY, device="cpu", seed=0, threads=1), lk.Priority(num_slots=1))
+    for bad in (1.5, "1", True, None):
+        with pytest.raises(ValueError, match=f"^priority = {re.escape(repr(bad))}: must be a whole number"):
+            online.submit([5], 2, Client(lambda token: None, lambda reason: None), priority=bad)
+    assert not online.state.by_id and not online.steps.prompts  # nothing was queued
+
+
+def test_a_replay_sends_each_request_its_trace_priority(served, monkeypatch):
+    submitted = {}  # max_tokens -> priority, as the server's engine received them
+    submit = served.online.submit
+
+    def recording(prompt_ids, max_tokens, client, priority=0):
+        submitted[max_tokens] = priority
+        return submit(prompt_ids, max_tokens, client, priority)
+
+    monkeypatch.setattr(served.online, "submit", recording)
+    trace = lk.Trace.from_lengths([3, 2, 4], prompt_lengths=[2, 3, 1]).with_priorities([0, 2, -1])
+    log = lk.replay(trace, url=served.url, model=MODEL, vocab_size=TINY.vocab_size, progress=False)
+    assert not log.failures
+    assert submitted == {3: 0, 2: 2, 4: -1}
+    assert log.outputs == served.engine.run(trace, lk.Continuous(num_slots=4), progress=False).outputs

@@ -5,6 +5,9 @@
   its `token_ids`), `stream_options.include_usage`, and vLLM's `ignore_eos` and
   `min_tokens`. labkit's engine never stops early: every request gets exactly
   `max_tokens` tokens, so `ignore_eos` is always in effect and `min_tokens` is met.
+  vLLM's `priority`, a JSON integer (default 0, lower is served first), goes with the
+  request into the scheduler: `labkit serve --policy priority` orders its queue by it,
+  other policies carry it along unread.
 - `GET /v1/models`, `GET /health`, and `GET /metrics` (Prometheus, `labkit.serve.metrics`).
 
 Invariants: a bad request gets HTTP 400 with an OpenAI-style error body (`object: "error"`,
@@ -47,6 +50,7 @@ class CompletionRequest(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
+    priority: int = Field(0, strict=True)  # a JSON integer: neither 1.5, "1" nor true
 
 
 def error(message: str, status: int = 400, kind: str = "BadRequestError", param: str | None = None) -> JSONResponse:
@@ -97,7 +101,7 @@ def make_app(online: OnlineEngine, model_name: str) -> FastAPI:
             return error(f"min_tokens = {body.min_tokens} exceeds max_tokens = {body.max_tokens}", param="min_tokens")
         completion = Completion(model_name, len(prompt))
         try:
-            completion.request_id = online.submit(prompt, body.max_tokens, completion.client())
+            completion.request_id = online.submit(prompt, body.max_tokens, completion.client(), body.priority)
         except (ValueError, RuntimeError) as problem:
             return error(str(problem))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

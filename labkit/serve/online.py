@@ -11,8 +11,11 @@ come from and where tokens go differ.
 Invariants:
 
 - a request is checked before it is queued (its prompt ids, its length against the model,
-  `policy.check_fits`); a bad one raises a ValueError in the caller's thread and never
-  reaches the loop;
+  its priority, `policy.check_fits`); a bad one raises a ValueError in the caller's thread
+  and never reaches the loop;
+- a request carries its priority (lower is served first, as vLLM's) into the state: a
+  policy with a `queue_order` that reads it (`labkit.Priority`) orders the queue by it,
+  any other policy ignores it;
 - each request gets exactly `max_tokens` tokens, greedy, each handed to `on_token` as
   soon as its step ends, then `on_finish` once; an aborted request gets `on_finish` too;
 - an aborted request leaves at the next decision point, and its slot and KV blocks return
@@ -109,15 +112,16 @@ class OnlineEngine:
 
     # The caller's side (any thread)
 
-    def submit(self, prompt_ids: list[int], max_tokens: int, client: Client) -> int:
-        """Queue a request; returns its id. A ValueError names what is wrong with it."""
-        self._check(prompt_ids, max_tokens)
+    def submit(self, prompt_ids: list[int], max_tokens: int, client: Client, priority: int = 0) -> int:
+        """Queue a request with this priority (lower is served first by a policy that reads it);
+        returns its id. A ValueError names what is wrong with it."""
+        self._check(prompt_ids, max_tokens, priority)
         with self._wake:
             if self._stopping:
                 raise RuntimeError("the server is shutting down")
             index = self._next_index
             self._next_index += 1
-            request = Request(index, index, self.now(), len(prompt_ids), max_tokens)
+            request = Request(index, index, self.now(), len(prompt_ids), max_tokens, priority=priority)
             self.policy.check_fits(request)
             self.steps.prompts[index] = [BOS_TOKEN, *prompt_ids]
             self._clients[index] = client
@@ -145,10 +149,12 @@ class OnlineEngine:
             self._thread.join()
         return self.num_aborted_at_stop
 
-    def _check(self, prompt_ids: list[int], max_tokens: int) -> None:
+    def _check(self, prompt_ids: list[int], max_tokens: int, priority: int) -> None:
         vocab_size, max_seq_len = self.engine.config.vocab_size, self.engine.config.max_seq_len
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise ValueError(f"max_tokens = {max_tokens!r}: must be a whole number >= 1")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority = {priority!r}: must be a whole number (lower is served first)")
         for position, token in enumerate(prompt_ids):
             if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab_size:
                 raise ValueError(f"prompt token {token!r} at position {position} is outside the vocabulary "

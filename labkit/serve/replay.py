@@ -14,6 +14,7 @@ Invariants:
 - `tokens_at[i]` holds the time of each streamed chunk that carried tokens: one per token on a
   server that streams one token per chunk (labkit's, vLLM's); ITL is read from these times,
   and a token count from the final usage when the server sends one;
+- a request whose trace priority is not 0 is sent with it (vLLM's `priority` field);
 - at most `max_concurrency` requests are in flight; once one cannot connect, the server is
   unreachable and every request not yet sent fails at once instead of waiting for its arrival;
 - the replay's event loop always runs in a worker thread, so it runs the same way in a script
@@ -257,9 +258,12 @@ class _Replay:
                 await asyncio.wait_for(self.unreachable.wait(), left)
 
     def _body(self, i: int) -> dict:
-        length = int(self.trace.output_lengths[i])
-        return {"model": self.model, "prompt": self.prompts[i], "max_tokens": length, "min_tokens": length,
+        """Request i's completion body; its `priority` only when not 0, the default of every server
+        that knows the field (vLLM's, labkit's), so a server that does not is never sent it."""
+        length, priority = int(self.trace.output_lengths[i]), int(self.trace.priorities[i])
+        body = {"model": self.model, "prompt": self.prompts[i], "max_tokens": length, "min_tokens": length,
                 "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        return {**body, "priority": priority} if priority else body
 
     async def _read(self, i: int, response: httpx.Response, bar: tqdm) -> None:
         """Record each chunk's tokens as it arrives; finish at [DONE], or raise _Failed."""

@@ -3,8 +3,11 @@
 The knobs carry the policies' names; each maps to a `vllm serve` flag (README):
 --slots (--max-num-seqs), --blocks (--num-gpu-blocks-override), --block-size
 (--block-size), --budget (--max-num-batched-tokens), --chunked-prefill
-(--enable-chunked-prefill). uvicorn serves the app; on SIGINT or SIGTERM it stops taking
-requests, lets open streams finish for a few seconds, and the engine aborts what is left.
+(--enable-chunked-prefill), --policy priority (--scheduling-policy priority: each
+request's `priority` field orders the queue). --policy spf admits the shortest predicted
+output first, its predictor off by a factor e^(--noise * z); vLLM has no such policy.
+uvicorn serves the app; on SIGINT or SIGTERM it stops taking requests, lets open streams
+finish for a few seconds, and the engine aborts what is left.
 
 The parser needs only the standard library, so `labkit demo` works without the `serve`
 extra; the serving stack (torch, FastAPI, uvicorn, prometheus-client) is imported when
@@ -14,22 +17,34 @@ a server is built.
 from __future__ import annotations
 
 import argparse
+import math
 
 import labkit as lk
 
-POLICIES = ("continuous", "static", "dynamic")
+ITERATION_LEVEL = {"continuous": lk.Continuous, "priority": lk.Priority, "spf": lk.ShortestPredictedFirst}
+POLICIES = (*ITERATION_LEVEL, "static", "dynamic")
+POLICIES_HELP = ("the scheduling policy (default continuous): continuous (first come, first served), priority "
+                 "(the lowest value of a request's priority field first, preempting higher values), spf "
+                 "(shortest predicted output first), static (whole batches), dynamic (batches that wait up to "
+                 "--timeout to fill)")
 DEFAULT_MODEL_NAME = "tinygpt"
 GRACEFUL_SHUTDOWN_SECONDS = 5
 
 
 def policy_from(args: argparse.Namespace):
-    """The policy the command line asks for; a ValueError names a bad knob."""
+    """The policy the command line asks for; a ValueError names a bad knob. --noise and
+    --predictor-seed, when not given, take ShortestPredictedFirst's own defaults."""
     pool = dict(num_blocks=args.blocks, block_size=args.block_size)
-    if args.policy == "continuous":
-        return lk.Continuous(num_slots=args.slots, max_tokens_per_step=args.budget,
-                             chunked_prefill=args.chunked_prefill, **pool)
+    predictor = {name: value for name, value in (("noise", args.noise), ("seed", args.predictor_seed))
+                 if value is not None}
+    if predictor and args.policy != "spf":
+        raise ValueError(f"--noise and --predictor-seed apply to --policy spf, not {args.policy}")
+    if args.policy in ITERATION_LEVEL:
+        return ITERATION_LEVEL[args.policy](num_slots=args.slots, max_tokens_per_step=args.budget,
+                                            chunked_prefill=args.chunked_prefill, **pool, **predictor)
     if args.budget is not None or args.chunked_prefill:
-        raise ValueError(f"--budget and --chunked-prefill apply to --policy continuous, not {args.policy}")
+        raise ValueError(f"--budget and --chunked-prefill apply to --policy {', '.join(ITERATION_LEVEL)}, "
+                         f"not {args.policy}")
     if args.policy == "static":
         return lk.Static(num_slots=args.slots, **pool)
     return lk.Dynamic(num_slots=args.slots, timeout=args.timeout, **pool)
@@ -47,7 +62,7 @@ def build_server(engine, policy, model_name: str = DEFAULT_MODEL_NAME):
 
 def add_policy_knobs(parser, whole_number, positive_number, slots: int | None) -> None:
     """The policy's knobs, under the names `labkit serve` gives them; `slots` is --slots' default."""
-    parser.add_argument("--policy", choices=POLICIES, default="continuous", help="the scheduling policy (default continuous)")
+    parser.add_argument("--policy", choices=POLICIES, default="continuous", help=POLICIES_HELP)
     slots_help = f"default {slots}" if slots else "no default: without it, nothing is predicted"
     parser.add_argument("--slots", type=whole_number(1), default=slots, help=f"requests that may run at once ({slots_help})")
     parser.add_argument("--blocks", type=whole_number(1), default=None, help="KV blocks in the pool (default: enough "
@@ -58,6 +73,21 @@ def add_policy_knobs(parser, whole_number, positive_number, slots: int | None) -
     parser.add_argument("--chunked-prefill", action="store_true", help="let a prompt be split over steps")
     parser.add_argument("--timeout", type=positive_number, default=0.05, help="--policy dynamic: seconds a batch may "
                         "wait to fill (default 0.05)")
+    parser.add_argument("--noise", type=non_negative_number, default=None, help="--policy spf: the predictor is off "
+                        "by a factor e^(noise * z), z standard normal (default 0: it knows every output length)")
+    parser.add_argument("--predictor-seed", type=whole_number(0), default=None, help="--policy spf: seed of the "
+                        "predictor's errors (default 0)")
+
+
+def non_negative_number(text: str) -> float:
+    """An argparse type: a finite number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a number >= 0")
+    return value
 
 
 def add_serve_parser(commands, whole_number, positive_number) -> argparse.ArgumentParser:
