@@ -1,4 +1,4 @@
-"""labkit.exercises: problems with instant feedback, for lessons 06, 07 and 09.
+"""labkit.exercises: problems with instant feedback, for lessons 06, 07, 09 and 10.
 
     from labkit.exercises import q1
     q1.check(answer)     # prints a verdict and returns it: truthy only when correct
@@ -8,7 +8,8 @@ q1–q5 ask to predict a number or a choice (labkit.exercises.predict); q6 asks 
 refill step of continuous batching as a function, graded against `lk.Continuous` in the
 simulator and on the engine (labkit.exercises.policy); q7 asks how long a step takes with
 and without overlap scheduling (labkit.exercises.host); q8 asks for the factor a headline
-multiplier leaves to the implementation (labkit.exercises.multiplier).
+multiplier leaves to the implementation (labkit.exercises.multiplier); q9 asks what the
+order of the waiting queue does to latency (labkit.exercises.ordering).
 
 Invariants:
 
@@ -24,7 +25,8 @@ Invariants:
 from labkit.exercises.feedback import Verdict
 from labkit.exercises.host import q7
 from labkit.exercises.multiplier import q8
+from labkit.exercises.ordering import q9
 from labkit.exercises.policy import PolicyError, as_policy, q6
 from labkit.exercises.predict import q1, q2, q3, q4, q5
 
-__all__ = ["PolicyError", "Verdict", "as_policy", "q1", "q2", "q3", "q4", "q5", "q6", "q7", "q8"]
+__all__ = ["PolicyError", "Verdict", "as_policy", "q1", "q2", "q3", "q4", "q5", "q6", "q7", "q8", "q9"]

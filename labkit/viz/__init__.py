@@ -30,6 +30,7 @@ from labkit.viz.latency import (
 )
 from labkit.viz.live import LiveSlotDiagram
 from labkit.viz.multiplier import multiplier_bars, multiplier_waterfall
+from labkit.viz.ordering import gain_table, group_table, noise_sweep, policy_table, ttft_by_length, ttft_waiting
 from labkit.viz.memory import pool_sweep, pool_usage, preemption_steps, running_requests, server_occupancy
 from labkit.viz.stepper import ScheduleStepper, progress_text
 
@@ -38,7 +39,9 @@ __all__ = [
     "LiveSlotDiagram",
     "ScheduleStepper",
     "TradeoffPoint",
+    "gain_table",
     "goodput_bars",
+    "group_table",
     "latency_tradeoff",
     "pareto_optimal",
     "predicted_against_measured",
@@ -57,8 +60,10 @@ __all__ = [
     "monte_carlo_convergence",
     "multiplier_bars",
     "multiplier_waterfall",
+    "noise_sweep",
     "overlap_speedup_curve",
     "phase_split",
+    "policy_table",
     "progress_text",
     "redraw",
     "request_color",
@@ -68,5 +73,7 @@ __all__ = [
     "slot_diagram",
     "step_breakdown",
     "step_time_curve",
+    "ttft_by_length",
+    "ttft_waiting",
     "utilization_bars",
 ]
