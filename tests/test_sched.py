@@ -102,7 +102,8 @@ def _state(num_slots, in_slots, waiting):
     """in_slots: (id, output_len, num_generated) per held slot; waiting: ids with length 5."""
     requests = [Request(i, rid, 0.0, 0, length, done) for i, (rid, length, done) in enumerate(in_slots)]
     for request in requests:
-        request.num_uncomputed = 1 if request.num_generated else request.num_prompt_tokens  # decoding
+        if request.num_generated:  # decoding: every known token but the last is cached
+            request.num_computed, request.num_uncomputed = request.num_prompt_tokens + request.num_generated - 1, 1
     queued = [Request(len(requests) + i, rid, 0.0, 0, 5) for i, rid in enumerate(waiting)]
     state = SchedulerState(num_slots, requests + queued)
     for slot, request in enumerate(requests):

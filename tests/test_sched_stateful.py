@@ -16,7 +16,7 @@ every rule it checks the invariants the sched modules' docstrings state:
   1 and its `num_uncomputed`;
 - `num_generated` never decreases (a preempted request keeps its outputs), grows by at
   most one per step, never passes `output_len`, and an unfinished request has
-  `1 <= num_uncomputed <= num_prompt_tokens + num_generated`;
+  `1 <= num_uncomputed <= num_prompt_tokens + num_generated`, the rest computed;
 - the StepLog counts every emitted token.
 
 Teardown drains the queue (no more arrivals) and checks liveness: every non-aborted
@@ -198,6 +198,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.last_generated[request_id] = now
             if request_id not in self.aborted and not request.is_finished:
                 assert 1 <= request.num_uncomputed <= request.num_prompt_tokens + now, request
+                assert request.num_computed + request.num_uncomputed == request.num_prompt_tokens + now, request
         assert self.log.num_tokens == sum(r.num_generated for r in self.added.values())
         # blocks
         if self.pool is not None:

@@ -12,8 +12,8 @@ of identical steps. It relies on three facts the plain core states, and on nothi
   a slot, blocks or budget under a policy that `admits_in_order`; under any other
   policy (a sorted queue, or one that does not say) every arrival is one;
 - in a decode step each scheduled request processes its one uncomputed token and emits
-  the next (`labkit.sched.state`): after n of them its `num_generated` is n further on
-  and its `num_uncomputed` is still 1;
+  the next (`labkit.sched.state`): after n of them its `num_generated` is n further on,
+  its `num_uncomputed` is still 1, and every other known token is computed;
 - a request holds exactly the blocks its cached tokens fill, or the whole length it
   reserved (`labkit.sched.state`). So one that grows takes a block every `block_size`
   steps, each at its own phase, and the pool runs dry at a step known in closed form
@@ -91,13 +91,13 @@ def plan_run(state: SchedulerState, batch: Batch, first: Steps, pending: Pending
     if not repeats(decision, batch, first):
         return 1, None
     count = min([request.output_len - request.num_generated for request, _ in batch.rows])
-    growth = Growth.of(batch, state.blocks.block_size) if state.blocks is not None else None
-    if growth is not None:
-        count = min(count, growth.steps_within(state.blocks.num_free_blocks))
     arrivals_matter = not (getattr(policy, "admits_in_order", False) and decision.blocked in HEAD_BLOCKED)
     moments = [m for m in (pending.next_arrival() if arrivals_matter else None, decision.wake_at) if m is not None]
     if moments:
         count = backend.steps_until(batch, count, min(moments) - state.now - TIME_SLACK)
+    growth = Growth.of(batch, state.blocks.block_size) if state.blocks is not None and count > 1 else None
+    if growth is not None:
+        count = min(count, growth.steps_within(state.blocks.num_free_blocks))
     return count, growth
 
 
@@ -155,7 +155,7 @@ def run_steps(state: SchedulerState, batch: Batch, steps: Steps, num_steps: int,
         return
     for request, _ in batch.rows:
         request.num_generated += num_steps
-        request.num_uncomputed = 1
+        request.num_computed, request.num_uncomputed = request.num_prompt_tokens + request.num_generated - 1, 1
         if request.num_generated == request.output_len:
             steps.finished.append(request.index)
     state.num_steps += num_steps

@@ -1,8 +1,8 @@
 """Scheduler state: the requests, the waiting queue, who holds which slot, and their KV blocks.
 
 A request's sequence is a begin-of-sequence token, its prompt, then its outputs.
-`num_uncomputed` counts the known tokens whose keys and values are not in the cache
-yet (the rest, `num_computed`, are). A step processes some of them; when it has
+`num_computed` counts the known tokens whose keys and values are in the cache, and
+`num_uncomputed` the rest. A step processes some of the uncomputed ones; when it has
 processed all, the model emits the next output token, which is then the one token
 left uncomputed. So a prefill (or a recompute after preemption) may take several
 chunks, and a decode step processes one token.
@@ -13,7 +13,8 @@ Invariants:
   a finished request stays in its slot until a decision releases it;
 - a slot holds at most one request, and `seated` lists the slot holders in the order
   they were admitted, so at most `num_slots` requests hold slots;
-- `1 <= num_uncomputed <= num_prompt_tokens + num_generated` and `num_generated <= output_len`;
+- `num_computed + num_uncomputed == num_prompt_tokens + num_generated`, with
+  `1 <= num_uncomputed` and `num_generated <= output_len`;
 - with a block pool, a request holds KV blocks only while it holds a slot: exactly
   enough for its `num_computed` tokens, or, if it reserved its whole length, for those;
   preemption returns them and makes every known token uncomputed again, while the
@@ -44,8 +45,8 @@ class Request:
     `priority`: lower is served first by policies that read it (as vLLM's `priority`)."""
 
     __slots__ = (
-        "index", "id", "arrival", "prompt_len", "output_len", "priority", "num_prompt_tokens",
-        "num_generated", "num_uncomputed", "num_preemptions", "admitted_order", "slot", "block_table",
+        "index", "id", "arrival", "prompt_len", "output_len", "priority", "num_prompt_tokens", "num_generated",
+        "num_computed", "num_uncomputed", "num_preemptions", "admitted_order", "slot", "block_table",
     )
 
     def __init__(self, index: int, id: int, arrival: float, prompt_len: int, output_len: int,
@@ -54,7 +55,8 @@ class Request:
         self.prompt_len, self.output_len, self.priority = prompt_len, output_len, priority
         self.num_prompt_tokens = 1 + prompt_len  # a begin-of-sequence token, then the prompt
         self.num_generated = num_generated
-        self.num_uncomputed = self.num_prompt_tokens + num_generated  # nothing is cached yet
+        self.num_computed = 0  # known tokens in the KV cache
+        self.num_uncomputed = self.num_prompt_tokens + num_generated  # known tokens not in it yet
         self.num_preemptions = 0
         self.admitted_order = -1  # the how-manieth admission of the run was its latest
         self.slot = -1
@@ -65,11 +67,6 @@ class Request:
             f"Request(id={self.id}, prompt_len={self.prompt_len}, output_len={self.output_len}, "
             f"num_generated={self.num_generated}, num_uncomputed={self.num_uncomputed}, slot={self.slot})"
         )
-
-    @property
-    def num_computed(self) -> int:
-        """Known tokens whose keys and values are in the cache."""
-        return self.num_prompt_tokens + self.num_generated - self.num_uncomputed
 
     @property
     def num_blocks_held(self) -> int:
@@ -281,6 +278,7 @@ class SchedulerState:
         self.num_steps += 1
         finished = []
         for request, num_tokens in batch.rows:
+            request.num_computed += num_tokens
             if num_tokens < request.num_uncomputed:  # a chunk: nothing to emit yet
                 request.num_uncomputed -= num_tokens
                 continue
@@ -307,7 +305,7 @@ class SchedulerState:
     def _preempt(self, request: Request) -> None:
         """Back to the queue (its head, first come first served), its cache dropped; its outputs so far are kept."""
         self._free_slot(request, "preempts")
-        request.num_uncomputed = request.num_prompt_tokens + request.num_generated
+        request.num_computed, request.num_uncomputed = 0, request.num_prompt_tokens + request.num_generated
         request.num_preemptions += 1
         self.waiting.appendleft(request)
 
