@@ -101,6 +101,37 @@ class Question:
         raise NotImplementedError
 
 
+class NumberPair(Question):
+    """A question answered by two numbers, each right within `tolerance`. A subclass names
+    them (`names`) and gives `expected()`, `praise()` (what a right answer is told) and
+    `mistakes()`: (pair, message) for each known wrong answer."""
+
+    names = ("the first number", "the second number")
+    tolerance = 0.0
+
+    def grade(self, answer) -> Verdict:
+        first, second = pair(answer, self.answer_format)
+        answered = real_number(first, self.names[0]), real_number(second, self.names[1])
+        if self._near(answered, self.expected()):
+            return correct(self.praise())
+        for candidate, message in self.mistakes():
+            if self._near(answered, candidate):
+                return incorrect(f"{answered}: {message}")
+        return incorrect(f"{answered} is not it. {self.hint_text()}")
+
+    def _near(self, answered, target) -> bool:
+        return all(math.isclose(a, t, abs_tol=self.tolerance) for a, t in zip(answered, target))
+
+    def expected(self) -> tuple[float, float]:
+        raise NotImplementedError
+
+    def praise(self) -> str:
+        raise NotImplementedError
+
+    def mistakes(self) -> list[tuple[tuple[float, float], str]]:
+        raise NotImplementedError
+
+
 def wrap(text: str) -> str:
     """Each line of `text` wrapped at WIDTH characters, breaking only between words."""
     return "\n".join(textwrap.fill(line, WIDTH, break_long_words=False, break_on_hyphens=False)

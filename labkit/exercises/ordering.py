@@ -8,18 +8,17 @@ perfect predictor) when asked; nothing is written down.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
 
-from labkit.exercises.feedback import Question, correct, incorrect, pair, real_number
+from labkit.exercises.feedback import NumberPair
 from labkit.sched import Continuous, ShortestPredictedFirst, StepLog, simulate
 from labkit.traffic import Trace
 
 
 @dataclass(frozen=True)
-class ShortestFirst(Question):
+class ShortestFirst(NumberPair):
     """Requests with these output lengths (no prompts) all wait at t = 0, in this arrival
     order, for `num_slots` slots; every step takes one unit of time and gives each running
     request one token. What is the mean TTFT, in steps, first come first served, and
@@ -28,6 +27,7 @@ class ShortestFirst(Question):
     output_lengths: tuple[int, ...]
     num_slots: int
     answer_format = "(mean TTFT first come first served, mean TTFT shortest first), in steps, e.g. (4.0, 3.0)"
+    names = ("the mean TTFT first come first served", "the mean TTFT shortest first")
     tolerance = 0.05  # steps
 
     def runs(self, num_slots: int | None = None) -> tuple[StepLog, StepLog]:
@@ -42,22 +42,7 @@ class ShortestFirst(Question):
     def expected(self) -> tuple[float, float]:
         return tuple(float(np.mean(log.ttft)) for log in self.runs())
 
-    def grade(self, answer):
-        first, second = pair(answer, self.answer_format)
-        answered = real_number(first, "the mean TTFT first come first served"), real_number(
-            second, "the mean TTFT shortest first")
-        fcfs, shortest = self.expected()
-        if self._near(answered, (fcfs, shortest)):
-            return correct(self._who_pays())
-        for candidate, message in self._mistakes():
-            if self._near(answered, candidate):
-                return incorrect(f"{answered}: {message}")
-        return incorrect(f"{answered} is not it. {self.hint_text()}")
-
-    def _near(self, answered, target) -> bool:
-        return all(math.isclose(a, t, abs_tol=self.tolerance) for a, t in zip(answered, target))
-
-    def _who_pays(self) -> str:
+    def praise(self) -> str:
         fcfs, shortest = self.runs()
         fcfs_mean, shortest_mean = float(np.mean(fcfs.ttft)), float(np.mean(shortest.ttft))
         worse = int(np.argmax(shortest.ttft - fcfs.ttft))
@@ -67,7 +52,7 @@ class ShortestFirst(Question):
                 f"{shortest.latency[worse]:g} instead of {fcfs.latency[worse]:g}; the whole queue takes "
                 f"{shortest.num_steps} steps instead of {fcfs.num_steps}.")
 
-    def _mistakes(self) -> list[tuple[tuple[float, float], str]]:
+    def mistakes(self) -> list[tuple[tuple[float, float], str]]:
         fcfs, shortest = self.runs()
         one_slot = tuple(float(np.mean(log.ttft)) for log in self.runs(num_slots=1))
         return [

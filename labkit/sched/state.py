@@ -16,13 +16,15 @@ Invariants:
 - `num_computed + num_uncomputed == num_prompt_tokens + num_generated`, with
   `1 <= num_uncomputed` and `num_generated <= output_len`;
 - with a block pool, a request holds KV blocks only while it holds a slot: exactly
-  enough for its `num_computed` tokens, or, if it reserved its whole length, for those;
+  enough for its `num_computed` tokens, or, if it reserved them (static batching), for
+  its whole length;
   preemption returns them and makes every known token uncomputed again, while the
   outputs generated so far are kept;
 - the waiting queue is first come, first served, a preempted request going back to
   its head; under a policy with a `queue_order`, it is sorted by that instead;
 - a request's counters change in two places only: `apply` (release, preempt, admit)
-  and `complete` (a step done). Nothing else moves them, and no number reads a clock.
+  and `complete` (a step done). Nothing else moves them (the fast-forward moves them as
+  that many `complete` calls would), and no number reads a clock.
 
 Both back ends apply a policy's `Decision` through `SchedulerState.apply`, so slot
 placement (lowest free slot first) and preemption are done in one place.
