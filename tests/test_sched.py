@@ -358,3 +358,60 @@ def test_a_simulation_leaves_no_reference_cycles_behind(policy):
     finally:
         gc.enable()
     assert log.num_tokens == trace.output_lengths.sum()
+
+
+# Admission out of arrival order: Priority and ShortestPredictedFirst ------------------------
+
+
+def test_a_higher_priority_arrival_preempts_the_running_request_and_runs_first():
+    trace = lk.Trace.from_lengths([6, 2], arrivals=[0.0, 0.05]).with_priorities([1, 0])  # B arrives at step 2
+    log = lk.simulate(trace, lk.Priority(num_slots=1))
+    assert log.slots[:, 0].tolist() == [0, 0, 1, 1, 0, 0, 0, 0]
+    assert log.preempted_at == [(2, 0)] and log.recomputed_tokens == 2  # A's BOS and first output
+    assert log.blocked.tolist()[2:4] == ["no_slot", "no_slot"]
+    assert lk.simulate(trace, lk.Continuous(num_slots=1)).slots[:, 0].tolist() == [0] * 6 + [1] * 2  # FCFS
+
+
+def test_priority_never_preempts_its_equals_and_is_fcfs_among_them():
+    trace = lk.Trace.from_lengths([6, 2, 3], arrivals=[0.0, 0.05, 0.0])
+    assert lk.simulate(trace, lk.Priority(num_slots=1)).slots.tolist() == lk.simulate(
+        trace, lk.Continuous(num_slots=1)).slots.tolist()
+
+
+def test_when_blocks_run_out_priority_preempts_the_lowest_priority_not_the_newest():
+    trace = lk.Trace.from_lengths([8, 8, 8], prompt_lengths=[3, 3, 3]).with_priorities([0, 2, 1])
+    pool = {"num_blocks": 6, "block_size": 4}
+    assert lk.simulate(trace, lk.Priority(3, **pool)).preempted_at == [(5, 1)]
+    assert lk.simulate(trace, lk.Continuous(3, **pool)).preempted_at == [(5, 2)]
+
+
+@pytest.mark.parametrize("noise", [0.0, 1.0])
+def test_shortest_predicted_first_admits_in_order_of_prediction(noise):
+    trace = lk.Trace.from_lengths([5, 3, 9, 1, 3])
+    log = lk.simulate(trace, lk.ShortestPredictedFirst(num_slots=1, noise=noise, seed=3))
+    predicted = [length * np.exp(noise * np.random.default_rng([3, rid]).standard_normal())
+                 for rid, length in zip(trace.ids, trace.output_lengths)]
+    by_prediction = sorted(range(len(trace)), key=lambda i: (predicted[i], i))  # ties: first come
+    assert np.argsort(log.admit_step).tolist() == by_prediction
+    assert by_prediction == ([3, 1, 4, 0, 2] if noise == 0 else [3, 4, 1, 2, 0])
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: lk.ShortestPredictedFirst(2, noise=-1), "noise = -1: must be a finite number >= 0"),
+        (lambda: lk.ShortestPredictedFirst(2, noise=float("inf")), "noise = inf"),
+        (lambda: lk.ShortestPredictedFirst(2, seed=1.5), "seed = 1.5: must be a whole number >= 0"),
+        (lambda: lk.Trace.from_lengths([1, 2]).with_priorities([0, 0.5]), "priorities\\[1\\] = 0.5"),
+        (lambda: lk.Trace.from_lengths([1, 2]).with_priorities([0]), "priorities has 1 entries"),
+    ],
+)
+def test_bad_ordering_knobs_name_the_field_and_value(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+def test_a_selected_trace_keeps_its_priorities():
+    trace = lk.Trace.from_lengths([1, 2, 3]).with_priorities([5, -1, 2])
+    assert trace.select([2, 1]).priorities.tolist() == [2, -1]
+    assert lk.Trace.from_lengths([1, 2]).priorities.tolist() == [0, 0]

@@ -23,7 +23,7 @@ Invariants:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -55,7 +55,7 @@ class Priority(Continuous):
                 room = StepPlan(state, self.max_tokens_per_step)
                 for victim in victims:
                     room.preempt(victim)
-                return self.fill(room)
+                return replace(self.fill(room), blocked=decision.blocked)  # why the head still waits
         return decision
 
     def victims_for(self, plan: StepPlan, head: Request) -> list[Request]:
