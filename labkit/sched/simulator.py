@@ -40,7 +40,6 @@ class FixedStepTime:
     """A back end whose steps take `step_time` seconds and compute nothing."""
 
     step_time: float
-    plans_ahead = True
 
     def steps_until(self, batch: Batch, max_steps: int, seconds: float) -> int:
         return max(1, min(max_steps, math.ceil(seconds / self.step_time)))
@@ -59,7 +58,6 @@ class ModeledStepTime:
     """
 
     cost: CostModel
-    plans_ahead = True
 
     def steps_until(self, batch: Batch, max_steps: int, seconds: float) -> int:
         first = self._first_step_seconds(batch)
