@@ -118,7 +118,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     )
     export_parser.add_argument("notebook", help="the lesson, e.g. notebooks/01_static_vs_continuous.ipynb")
     export_parser.add_argument("output", help="the HTML file to write")
-    serve_parser = add_serve_parser(commands, _whole_number, _positive_number)
+    serve_parser = add_serve_parser(commands, _whole_number, _number)
     replay_parser = add_replay_parser(commands)
     return parser, {"demo": demo_parser, "serve": serve_parser, "replay": replay_parser}
 
@@ -255,15 +255,23 @@ def _whole_number(minimum: int):
     return parse
 
 
-def _positive_number(text: str) -> float:
-    """An argparse type: a finite number > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be a number > 0")
-    return value
+def _number(minimum: float, or_equal: bool = False):
+    """An argparse type: a finite number > `minimum` (>= with `or_equal`), with an error message that says so."""
+    bound = f"{'>=' if or_equal else '>'} {minimum:g}"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or value < minimum or (value == minimum and not or_equal):
+            raise argparse.ArgumentTypeError(f"{text!r}: must be a number {bound}")
+        return value
+
+    return parse
+
+
+_positive_number = _number(0)
 
 
 def _trace_error(trace: str, error: Exception) -> str:

@@ -70,7 +70,7 @@ def add_replay_parser(commands) -> argparse.ArgumentParser:
     prediction = parser.add_argument_group(
         "prediction beside measurement", "with --slots, also simulate the replayed trace under the policy these "
         "knobs describe (the server's, if you know them), timed by a CostModel fitted to TinyGPT on this machine")
-    add_policy_knobs(prediction, cli._whole_number, cli._positive_number, slots=None)
+    add_policy_knobs(prediction, cli._whole_number, cli._number, slots=None)
     return parser
 
 

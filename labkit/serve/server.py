@@ -17,7 +17,6 @@ a server is built.
 from __future__ import annotations
 
 import argparse
-import math
 
 import labkit as lk
 
@@ -60,8 +59,9 @@ def build_server(engine, policy, model_name: str = DEFAULT_MODEL_NAME):
     return make_app(online, model_name), online
 
 
-def add_policy_knobs(parser, whole_number, positive_number, slots: int | None) -> None:
-    """The policy's knobs, under the names `labkit serve` gives them; `slots` is --slots' default."""
+def add_policy_knobs(parser, whole_number, number, slots: int | None) -> None:
+    """The policy's knobs, under the names `labkit serve` gives them; `slots` is --slots' default.
+    `whole_number(minimum)` and `number(minimum, or_equal=False)` make argparse types."""
     parser.add_argument("--policy", choices=POLICIES, default="continuous", help=POLICIES_HELP)
     slots_help = f"default {slots}" if slots else "no default: without it, nothing is predicted"
     parser.add_argument("--slots", type=whole_number(1), default=slots, help=f"requests that may run at once ({slots_help})")
@@ -71,32 +71,21 @@ def add_policy_knobs(parser, whole_number, positive_number, slots: int | None) -
     parser.add_argument("--budget", type=whole_number(1), default=None, help="tokens one step may process (default "
                         "unlimited)")
     parser.add_argument("--chunked-prefill", action="store_true", help="let a prompt be split over steps")
-    parser.add_argument("--timeout", type=positive_number, default=0.05, help="--policy dynamic: seconds a batch may "
+    parser.add_argument("--timeout", type=number(0), default=0.05, help="--policy dynamic: seconds a batch may "
                         "wait to fill (default 0.05)")
-    parser.add_argument("--noise", type=non_negative_number, default=None, help="--policy spf: the predictor is off "
+    parser.add_argument("--noise", type=number(0, or_equal=True), default=None, help="--policy spf: the predictor is off "
                         "by a factor e^(noise * z), z standard normal (default 0: it knows every output length)")
     parser.add_argument("--predictor-seed", type=whole_number(0), default=None, help="--policy spf: seed of the "
                         "predictor's errors (default 0)")
 
 
-def non_negative_number(text: str) -> float:
-    """An argparse type: a finite number >= 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be a number >= 0")
-    return value
-
-
-def add_serve_parser(commands, whole_number, positive_number) -> argparse.ArgumentParser:
+def add_serve_parser(commands, whole_number, number) -> argparse.ArgumentParser:
     parser = commands.add_parser(
         "serve", help="serve TinyGPT behind an OpenAI-compatible API, with continuous batching",
         description="Serve TinyGPT over HTTP (POST /v1/completions, GET /v1/models, /health, /metrics), "
         "scheduling every step with a labkit policy.",
     )
-    add_policy_knobs(parser, whole_number, positive_number, slots=8)
+    add_policy_knobs(parser, whole_number, number, slots=8)
     parser.add_argument("--device", default="auto", metavar="{auto,cpu,cuda,mps}", help="where the model runs")
     parser.add_argument("--threads", type=whole_number(1), default=None, help="torch CPU threads")
     parser.add_argument("--seed", type=whole_number(0), default=0, help="seed of the model's weights (default 0)")
