@@ -47,13 +47,16 @@ def statistic(values: np.ndarray, stat: str) -> float:
 POLICY_COLUMNS = ("TTFT mean", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "e2e p50", "e2e p99", "tokens/s")
 
 
+SUMMARY_KEYS = {"TTFT p50": "TTFT p50 (s)", "TTFT p99": "TTFT p99 (s)", "ITL p50": "ITL p50 (ms)",
+                "ITL p99": "ITL p99 (ms)", "e2e p50": "latency p50 (s)", "e2e p99": "latency p99 (s)",
+                "tokens/s": "tokens/s"}  # policy_row's columns, as `metrics.summary` names them
+
+
 def policy_row(log: StepLog) -> dict[str, float]:
-    """One run's TTFT (s), ITL (ms) and end-to-end latency (s) percentiles, and output tokens/s."""
-    gaps = metrics.itl(log)
-    return {"TTFT mean": statistic(log.ttft, "mean"), "TTFT p50": statistic(log.ttft, "p50"),
-            "TTFT p99": statistic(log.ttft, "p99"), "ITL p50": 1000 * metrics.percentile(gaps, 50),
-            "ITL p99": 1000 * metrics.percentile(gaps, 99), "e2e p50": metrics.percentile(log.latency, 50),
-            "e2e p99": metrics.percentile(log.latency, 99), "tokens/s": log.tokens_per_second}
+    """One run's TTFT (s), ITL (ms) and end-to-end latency (s) percentiles, and output tokens/s:
+    `metrics.summary`'s, with the mean TTFT."""
+    summary = metrics.summary(log)
+    return {"TTFT mean": statistic(log.ttft, "mean"), **{column: summary[key] for column, key in SUMMARY_KEYS.items()}}
 
 
 def policy_table(logs: dict[str, StepLog]) -> str:
