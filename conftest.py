@@ -1,7 +1,45 @@
-"""nbval settings: plotly's JSON output embeds its whole template, which changes across
-plotly releases, so compare the text outputs of lesson cells and skip plotly's mime types."""
+"""nbval settings.
+
+- plotly's JSON output embeds its whole template, which changes across plotly releases, so
+  compare the text outputs of lesson cells and skip plotly's mime types.
+- A lesson that times the engine (or a server) runs beside a busy loop on one core
+  (`tests/busy.py`), so every checked cell must print the same on a loaded machine. Set
+  LABKIT_IDLE_LESSONS=1 to run them on an idle machine instead, when debugging a lesson.
+"""
+
+import os
+
+import pytest
+
+from tests.busy import start_busy_loop, times_the_engine
+
+BUSY_LOOP = pytest.StashKey()
 
 
 def pytest_collectstart(collector):
     if collector.fspath and collector.fspath.ext == ".ipynb":
         collector.skip_compare += ("application/vnd.plotly.v1+json", "text/html")
+
+
+def pytest_runtest_setup(item):
+    """Keep one core busy while a timed lesson's cells run under strict nbval, and only then."""
+    path = item.path
+    wanted = (path.suffix == ".ipynb" and path.parent.name == "solutions" and times_the_engine(path)
+              and not os.environ.get("LABKIT_IDLE_LESSONS"))
+    running = item.config.stash.get(BUSY_LOOP, None)
+    if wanted and running is None:
+        item.config.stash[BUSY_LOOP] = start_busy_loop()
+    elif not wanted and running is not None:
+        _stop(item.config)
+
+
+def pytest_unconfigure(config):
+    if config.stash.get(BUSY_LOOP, None) is not None:
+        _stop(config)
+
+
+def _stop(config):
+    process = config.stash[BUSY_LOOP]
+    process.kill()
+    process.wait()
+    config.stash[BUSY_LOOP] = None

@@ -10,30 +10,38 @@
    to the idle step, at each thread count. Goal: <= 1.5x at the engine's default.
 5. Backlogged exponential traces at 8 and 32 slots under Static and Continuous: the measured
    wall-clock gain over the simulator's predicted slot-step gain. Goal: 0.9 or more.
+6. A long-context neighbour: a decode step of seven requests 16..100 tokens deep, without
+   and with an eighth 1,500 tokens deep, with decodes grouped by context (the engine) and
+   in one padded group (as before grouping). Goal: with / without <= 2.5x, grouped.
 
 Results go to benchmarks/results/engine-<device>.json and are summarised on stdout.
-Run: `make bench`, or `python benchmarks/bench_engine.py --device cuda` on a GPU.
+Run: `make bench`, or `python benchmarks/bench_engine.py --device cuda` on a GPU;
+`--only long-neighbour` runs section 6 alone and updates its entry in the results file.
 """
 
 import argparse
 import datetime
 import json
+import math
 import os
 import platform
 import subprocess
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
 import labkit as lk
-from labkit.engine import Engine, ModelConfig
+from labkit.engine import Engine, ModelConfig, attention
 from labkit.engine.attention import ATTENTION_LAYOUTS
 from labkit.engine.device import default_threads
+from labkit.engine.timing import ragged_decode_step_seconds
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 CONTEXTS = (64, 128, 256, 512, 1024, 2048)
+SHORT_CONTEXTS, LONG_CONTEXT = (16, 30, 44, 58, 72, 86, 100), 1500
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -97,6 +105,32 @@ def gain_ratio(engine: Engine, num_slots: int, num_requests: int, seed: int) -> 
             "ratio": measured / predicted, "seconds_by_phase": phases}
 
 
+def long_neighbour(engine: Engine, repeats: int) -> dict[str, dict[str, float]]:
+    """Decode step seconds of the short requests without and with the long one, by decode grouping."""
+    steps = {"without": list(SHORT_CONTEXTS), "with": [*SHORT_CONTEXTS, LONG_CONTEXT]}
+    groupings = {"grouped by context": attention.MAX_WASTE, "one group": math.inf}  # no waste bound: one group
+
+    def measure():
+        times = {}
+        for grouping, max_waste in groupings.items():
+            with mock.patch.object(attention, "MAX_WASTE", max_waste):
+                times.update({(grouping, step): ragged_decode_step_seconds(engine, contexts, repeats=10)
+                              for step, contexts in steps.items()})
+        return times
+
+    best = best_of(repeats, measure)
+    return {grouping: {step: best[grouping, step] for step in steps} | {
+        "with / without": best[grouping, "with"] / best[grouping, "without"]} for grouping in groupings}
+
+
+def print_long_neighbour(result: dict) -> None:
+    print(f"\ndecode step of {len(SHORT_CONTEXTS)} requests {SHORT_CONTEXTS[0]}..{SHORT_CONTEXTS[-1]} tokens deep, "
+          f"without and with one {LONG_CONTEXT} deep:")
+    for grouping, r in result.items():
+        print(f"  {grouping:18}: without {ms(r['without'])} ms, with {ms(r['with'])} ms, {r['with / without']:.2f}x")
+    print("  goal: grouped by context <= 2.5x")
+
+
 def ms(seconds: float) -> str:
     return f"{1000 * seconds:7.2f}"
 
@@ -107,8 +141,18 @@ def main() -> None:
     parser.add_argument("--requests-per-slot", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--only", choices=["long-neighbour"], help="run this section alone")
     args = parser.parse_args()
     engine = Engine(device=args.device, seed=args.seed)
+    out = RESULTS / f"engine-{engine.device.type}.json"
+    if args.only:
+        long = long_neighbour(engine, args.repeats)
+        print_long_neighbour(long)
+        results = json.loads(out.read_text()) if out.exists() else {}
+        date = datetime.datetime.now().isoformat(timespec="seconds")
+        out.write_text(json.dumps(results | {"long_neighbour": long | {"date": date}}, indent=2))
+        print(f"\nwrote {out}")
+        return
     cpus = len(os.sched_getaffinity(0))
     machine = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "device": str(engine.device),
                "processor": platform.processor() or platform.machine(), "cpus": cpus,
@@ -150,10 +194,12 @@ def main() -> None:
         print(f"\n{b:2} slots, {g['requests']} requests: measured gain {g['measured_gain']:.2f}x, "
               f"predicted {g['predicted_gain']:.2f}x, ratio {g['ratio']:.3f} (goal >= 0.9)")
 
+    long = long_neighbour(engine, args.repeats)
+    print_long_neighbour(long)
+
     RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / f"engine-{engine.device.type}.json"
     out.write_text(json.dumps({**machine, "step_seconds": times, "step_parts": parts, "context_sweep": sweep,
-                               "busy_neighbour": neighbour, "gains": gains}, indent=2))
+                               "busy_neighbour": neighbour, "gains": gains, "long_neighbour": long}, indent=2))
     print(f"\nwrote {out}")
 
 

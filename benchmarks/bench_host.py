@@ -108,7 +108,7 @@ def fit_check(device: str, threads: int | None) -> tuple[dict, lk.CostModel]:
     fit = lk.CostModel.fit(engine.run(traffic(1), policy, progress=False))
     other = engine.run(traffic(2), policy, progress=False)
     predicted = fit.model.step_seconds(other.num_prefill_tokens, other.num_decode_tokens, other.num_kv_tokens,
-                                       other.num_requests)
+                                       other.num_rows)
     other_error = float(np.abs(predicted - other.step_seconds).mean() / other.step_seconds.mean())
     print(f"{fit}; on another run's {other.num_steps} steps: {other_error:.1%}")
     print(f"  {fit.model}")

@@ -15,12 +15,14 @@ fp32), its weights shared by every system, all fed the engine's prompt ids:
 
 `take_apart` turns them into implementation (HF generate -> per-request -> batched),
 refill, memory and step-cost factors whose product is HF generate's duration over
-paged's. The five alternate, `--repeats` times, each keeping its shortest run; torch is
-warmed up first. Printed per configuration: the factor and run tables; the simulator's
-refill and memory factors (`take_apart(trace, memory, lk.simulate)`), which count steps
-and so must equal the measured ones; and the simulator's prediction of static -> paged
-with a CostModel fitted to the measured paged run (`lk.multiplier.predict`), beside the
-measured. Everything goes to benchmarks/results/multiplier-<device>.json.
+paged's (no baseline-batch factor: every baseline runs the B0 its memory allows). The five
+alternate, `--repeats` times, each keeping its shortest run; torch is warmed up first.
+Printed per configuration: the factor and run tables; the simulator's step-count factors
+(`take_apart(trace, memory, lk.simulate)`), which must equal the measured ones; and the
+simulator's prediction of static -> paged
+with a CostModel fitted to the measured paged run (`lk.multiplier.predict`), and with this
+engine's one price (benchmarks/results/engine-cost.json, fitted to other runs by
+fit_engine_cost.py), beside the measured. Everything goes to benchmarks/results/multiplier-<device>.json.
 
 Run: `python benchmarks/bench_multiplier.py` (B0 = 8 and 16, 3 repeats; a few minutes on
 two CPU cores), or a smoke run: `python benchmarks/bench_multiplier.py --slots 2 --repeats 1
@@ -43,12 +45,14 @@ import labkit as lk
 from labkit.engine import Engine, ModelConfig, TinyGPT
 from labkit.engine.device import default_threads
 from labkit.engine.peers import generate_static, transformers_llama
-from labkit.sched.multiplier import Memory, Multiplier, take_apart
+from labkit.sched.multiplier import KINDS, Memory, Multiplier, take_apart
 
 RESULTS = Path(__file__).resolve().parent / "results"
+ENGINE_COST = RESULTS / "engine-cost.json"  # this engine's one price, from fit_engine_cost.py
 PROMPT_LEN, MEAN_OUTPUT, MAX_OUTPUT, BLOCK = 16, 24, 112, 16
 RESERVE = -(-(1 + PROMPT_LEN + MAX_OUTPUT) // BLOCK) * BLOCK  # 144: BOS + prompt + longest output, whole blocks
 NAME = "batched"  # the implementation under test: labkit's engine with batched attention
+COUNTED = ("baseline batch", "refill", "memory")  # the factors that count steps, equal on every back end
 
 
 def configuration(slots: int, requests_per_slot: int) -> tuple[lk.Trace, Memory]:
@@ -90,6 +94,7 @@ def bench(trace: lk.Trace, memory: Memory, hf, engines: dict[str, Engine], repea
     simulated = take_apart(trace, memory, lk.simulate)
     fit = lk.CostModel.fit(measured.runs["paged"])
     predicted = lk.multiplier.predict(trace, memory, fit.model)
+    priced = lk.multiplier.predict(trace, memory, lk.CostModel.load(ENGINE_COST))
     seconds = time.perf_counter() - start
 
     b0 = memory.num_reserved_slots
@@ -97,16 +102,17 @@ def bench(trace: lk.Trace, memory: Memory, hf, engines: dict[str, Engine], repea
           f"{memory.pool_tokens:,} tokens ({memory.num_blocks} blocks), {memory.reserve_tokens} reserved a request, "
           f"paged up to {memory.max_slots} at once")
     print(measured.factor_table() + "\n\n" + measured.run_table())
-    steps_equal = all(measured.factor(kind) == simulated.factor(kind) for kind in ("refill", "memory"))
-    print(f"simulate: refill {simulated.factor('refill'):.2f}×, memory {simulated.factor('memory'):.2f}× "
-          f"(steps {', '.join(f'{n} {log.num_steps}' for n, log in simulated.runs.items())}); "
+    steps_equal = all(measured.factor(kind) == simulated.factor(kind) for kind in COUNTED)
+    print("simulate: " + ", ".join(f"{kind} {simulated.factor(kind):.2f}×" for kind in COUNTED)
+          + f" (steps {', '.join(f'{n} {log.num_steps}' for n, log in simulated.runs.items())}); "
           f"equal to the measured: {steps_equal}")
     static_over_paged = measured.runs["static"].duration / measured.runs["paged"].duration
     print(f"{fit}\n  {fit.model}")
-    print(f"predicted with it, static → paged: refill {predicted.factor('refill'):.2f}× × memory "
-          f"{predicted.factor('memory'):.2f}× × step cost {predicted.factor('step cost'):.2f}× = "
-          f"{predicted.total:.2f}×; measured {static_over_paged:.2f}× "
-          f"(step cost {measured.factor('step cost'):.2f}×)")
+    for source, prediction in (("with it", predicted), ("with this engine's price", priced)):
+        factors = " × ".join(f"{kind} {prediction.factor(kind):.2f}×" for kind in KINDS[1:]
+                             if kind != "baseline batch" or prediction.factor(kind) != 1)
+        print(f"predicted {source}, static → paged: {factors} = {prediction.total:.2f}×; measured "
+              f"{static_over_paged:.2f}× (step cost {measured.factor('step cost'):.2f}×)")
     reference = measured.runs["paged"].outputs
     agree = {name: sum(log.outputs[r] == reference[r] for r in reference) for name, log in measured.runs.items()}
     print("greedy outputs equal to paged's: " + ", ".join(f"{name} {n}/{len(trace)}" for name, n in agree.items()))
@@ -123,6 +129,7 @@ def bench(trace: lk.Trace, memory: Memory, hf, engines: dict[str, Engine], repea
         "predicted": {"refill": predicted.factor("refill"), "memory": predicted.factor("memory"),
                       "step cost": predicted.factor("step cost"), "total": predicted.total,
                       "cost_model": repr(fit.model), "fit_held_out_error": fit.relative_error},
+        "predicted_with_engine_price": {"step cost": priced.factor("step cost"), "total": priced.total},
         "measured_static_over_paged": static_over_paged,
         "outputs_equal_to_paged": agree,
         "seconds": seconds,

@@ -46,5 +46,6 @@ def knobs(draw, kinds=(lk.Continuous,)):
         max_tokens_per_step=draw(st.one_of(st.none(), st.integers(1, 40))),
         chunked_prefill=draw(st.booleans()),
         victim=draw(st.sampled_from(["newest", "longest"])),
+        reserve=draw(st.sampled_from(["on_demand", "whole"])),
         **extra,
     )

@@ -141,7 +141,7 @@ def test_python_dash_m_runs_the_toy_demo():
 @pytest.mark.filterwarnings("ignore:Your element with mimetype.*vnd.plotly:UserWarning")
 def test_export_html_writes_a_page_with_plotly_inside(tmp_path, capsys):
     target = tmp_path / "lesson01.html"
-    lesson = Path(__file__).resolve().parents[1] / "notebooks" / "01_static_vs_continuous.ipynb"
+    lesson = Path(__file__).resolve().parents[1] / "solutions" / "01_static_vs_continuous.ipynb"  # the copies that keep outputs
     assert main(["export-html", str(lesson), str(target)]) == 0
     assert f"wrote {target}" in capsys.readouterr().out
     assert not PLOTLY_CDN_SCRIPT.search(target.read_text(encoding="utf-8"))  # plotly.js is inside instead

@@ -1,6 +1,9 @@
 """CostModel: step time from the work in a step, and fitting it to measured steps."""
 
+import dataclasses
+import json
 import math
+from pathlib import Path
 from dataclasses import fields, replace
 from types import SimpleNamespace
 
@@ -295,9 +298,9 @@ def test_a_simulation_splits_steps_as_its_cost_model_prices_them(model):
     log = lk.simulate(ARRIVING, BUDGETED, cost=model)
     assert log.has_host_time and log.overlap == model.overlap
     work = (log.num_prefill_tokens, log.num_decode_tokens, log.num_kv_tokens)
-    np.testing.assert_allclose(log.host_seconds, model.host_seconds(log.num_requests, work[0] + work[1]))
+    np.testing.assert_allclose(log.host_seconds, model.host_seconds(log.num_rows, work[0] + work[1]))
     np.testing.assert_allclose(log.device_seconds, model.device_seconds(*work))
-    np.testing.assert_allclose(log.step_seconds, model.step_seconds(*work, log.num_requests))
+    np.testing.assert_allclose(log.step_seconds, model.step_seconds(*work, log.num_rows))
     idle = 1 - log.device_seconds.sum() / log.step_seconds.sum()
     assert log.device_idle_fraction == pytest.approx(idle) and 0 < idle < 1
 
@@ -315,7 +318,7 @@ def test_fitting_host_terms_can_fail():
     fit = CostModel.fit(lk.simulate(ARRIVING, BUDGETED, cost=HOSTED))
     doubled = lk.simulate(ARRIVING, BUDGETED, cost=replace(HOSTED, host_per_request=2e-4))
     predicted = fit.model.step_seconds(doubled.num_prefill_tokens, doubled.num_decode_tokens, doubled.num_kv_tokens,
-                                       doubled.num_requests)
+                                       doubled.num_rows)
     assert np.abs(predicted - doubled.step_seconds).mean() / doubled.step_seconds.mean() > 0.05
 
 
@@ -376,3 +379,22 @@ def test_scaling_changes_the_price():
 def test_a_bad_factor_is_named(factor):
     with pytest.raises(ValueError, match=r"factor = .*must be a finite number > 0"):
         TRUTH.scaled(factor)
+
+
+def test_a_saved_model_loads_as_it_was(tmp_path):
+    model = lk.CostModel(overhead=1e-3, per_kv_token=2e-6, host_per_request=3e-5)
+    path = tmp_path / "cost.json"
+    path.write_text(json.dumps({"model": dataclasses.asdict(model), "fit": "anything else is ignored"}))
+    assert lk.CostModel.load(path) == model
+
+
+def test_loading_names_a_coefficient_it_does_not_know(tmp_path):
+    path = tmp_path / "cost.json"
+    path.write_text(json.dumps({"model": {"overhead": 1e-3, "per_token": 2e-4}}))
+    with pytest.raises(ValueError, match="must map coefficient names"):
+        lk.CostModel.load(path)
+
+
+def test_the_engine_price_the_lessons_load_is_a_cost_model():
+    model = lk.CostModel.load(Path(__file__).parents[1] / "benchmarks" / "results" / "engine-cost.json")
+    assert model.per_decode_token > 0 and model.per_kv_token > 0

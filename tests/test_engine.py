@@ -170,6 +170,20 @@ def test_drop_finished_computes_fewer_rows_with_the_same_schedule(engine, monkey
     dropped = engine.run(lk.Trace.toy(), lk.Static(num_slots=2, drop_finished=True), progress=False)
     assert padded.slots.tolist() == dropped.slots.tolist() and padded.outputs == dropped.outputs
     assert (padded_rows, sum(rows)) == (46, 32)  # every slot-step computed vs only the useful ones
+    assert (padded.num_rows.sum(), dropped.num_rows.sum()) == (46, 32)  # and the log counts what ran
+
+
+@pytest.mark.parametrize("drop_finished", [False, True])
+def test_the_simulator_prices_the_rows_the_engine_computes(engine, drop_finished):
+    trace = lk.Trace.from_lengths([2, 6, 3, 8, 2, 4, 5, 2], prompt_lengths=[3, 1, 4, 1, 5, 9, 2, 6])
+    policy = lk.Static(num_slots=3, drop_finished=drop_finished)
+    ran = engine.run(trace, policy, progress=False)
+    priced = lk.simulate(trace, policy, cost=lk.CostModel())
+    for work in ("num_prefill_tokens", "num_decode_tokens", "num_kv_tokens", "num_rows", "num_padded_rows"):
+        assert getattr(ran, work).tolist() == getattr(priced, work).tolist(), work
+    # negative control: priced with the other setting, the work differs
+    other = lk.simulate(trace, lk.Static(num_slots=3, drop_finished=not drop_finished), cost=lk.CostModel())
+    assert other.num_kv_tokens.tolist() != ran.num_kv_tokens.tolist()
 
 
 def test_arrivals_are_served_on_the_measured_clock(engine):

@@ -1,4 +1,4 @@
-"""q9, lesson 10's check: the mean TTFT of a queue first come first served and shortest first."""
+"""q9, lesson 11's check: the mean TTFT of a queue first come first served and shortest first."""
 
 import numpy as np
 import pytest

@@ -19,6 +19,7 @@ from strategies import TIMINGS, knobs, prompted_traces, traces
 
 EVERY_POLICY = [
     lk.Static,
+    lambda n: lk.Static(n, drop_finished=True),
     lk.Continuous,
     lambda n: lk.Dynamic(n, timeout=0.3),
     lk.Priority,

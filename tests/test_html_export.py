@@ -15,7 +15,7 @@ from plotly.offline import get_plotlyjs
 
 from labkit.viz.animation import export_offline_html
 
-NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+NOTEBOOKS = Path(__file__).resolve().parents[1] / "solutions"  # the copies that keep their outputs, for reading online
 LESSON = NOTEBOOKS / "01_static_vs_continuous.ipynb"
 CHROMIUM = Path("/usr/bin/chromium")
 # The lesson's other figures carry plotly's mime type only, which nbconvert cannot draw.

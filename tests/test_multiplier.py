@@ -1,5 +1,6 @@
-"""A headline multiplier taken apart: exact factors on the toy trace, the product invariant,
-factors built independently from the policies, bad memory, and the two figures."""
+"""A headline multiplier taken apart: exact factors on the toy trace, a baseline below its
+memory, the product invariant, factors built independently from the policies, bad memory,
+the check-yourself question, and the two figures."""
 
 import math
 from functools import partial
@@ -16,6 +17,7 @@ from labkit.sched.multiplier import KINDS, Memory, Multiplier, predict, take_apa
 
 TOY = lk.Trace.from_lengths([2, 6, 3, 8, 2, 4, 5, 2])
 TOY_MEMORY = Memory(pool_tokens=16, reserve_tokens=8, max_slots=8, block_size=1)  # B0 = 2; the paged pool holds 16
+TOY_BELOW = Memory(pool_tokens=16, reserve_tokens=8, max_slots=8, block_size=1, baseline_slots=1)  # B0 = 1 < B = 2
 COST = lk.CostModel(overhead=2e-3, per_prefill_token=1e-4, per_decode_token=3e-4, per_kv_token=2e-7)
 TINY = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, d_ff=64, max_seq_len=64)
 
@@ -25,11 +27,19 @@ def product(m: Multiplier) -> float:
 
 
 def by_hand(trace, memory, run=lk.simulate):
-    """The three schedules' logs, from policies built here rather than by `Memory.policies`."""
-    b0 = memory.baseline_slots or memory.pool_tokens // memory.reserve_tokens
-    return (run(trace, lk.Static(num_slots=b0)), run(trace, lk.Continuous(num_slots=b0)),
+    """The schedules' logs (static at B0, static at B, continuous at B, paged), from policies
+    built here rather than by `Memory.policies`."""
+    full = memory.pool_tokens // memory.reserve_tokens
+    b0 = memory.baseline_slots or full
+    return (run(trace, lk.Static(num_slots=b0)), run(trace, lk.Static(num_slots=full)),
+            run(trace, lk.Continuous(num_slots=full)),
             run(trace, lk.Continuous(num_slots=memory.max_slots, num_blocks=memory.pool_tokens // memory.block_size,
                                      block_size=memory.block_size)))
+
+
+def static_steps(lengths, batch):
+    """Static batching's steps by hand: each batch of `batch` requests, in order, runs as long as its longest."""
+    return sum(max(lengths[i : i + batch]) for i in range(0, len(lengths), batch))
 
 
 # the toy trace: the lab's canonical numbers
@@ -38,7 +48,9 @@ def by_hand(trace, memory, run=lk.simulate):
 def test_toy_refill_is_23_over_17_and_step_cost_is_one():
     m = take_apart(TOY, TOY_MEMORY, lk.simulate)
     assert m.baseline == "static"
-    assert [f.kind for f in m.factors] == ["refill", "memory", "step cost"]  # no baseline: no implementation factor
+    # no older implementation and a baseline at the batch its memory allows: no such factors
+    assert [f.kind for f in m.factors] == ["refill", "memory", "step cost"]
+    assert m.factor("baseline batch") == 1  # the empty product
     assert {name: log.num_steps for name, log in m.runs.items()} == {"static": 23, "continuous": 17, "paged": 8}
     assert m.factor("refill") == 23 / 17
     assert m.factor("memory") == 17 / 8
@@ -56,6 +68,47 @@ def test_step_cost_is_exactly_one_when_step_times_sum_exactly():
     assert m.factor("refill") * m.factor("memory") == 23 / 8
 
 
+# a baseline below its memory: the toy trace at one slot, where its reservations allow two
+
+
+def test_a_baseline_below_its_memory_gets_its_own_factor():
+    lengths = [int(n) for n in TOY.output_lengths]
+    one, two = static_steps(lengths, 1), static_steps(lengths, 2)
+    assert (one, two) == (sum(lengths), 23)  # one slot: a step per token; two: lesson 01's 23
+    m = take_apart(TOY, TOY_BELOW, partial(lk.simulate, step_time=1.0))
+    assert list(m.runs) == ["static", "full static", "continuous", "paged"]
+    assert [f.kind for f in m.factors] == ["baseline batch", "refill", "memory", "step cost"]
+    assert m.factor("baseline batch") == one / two
+    assert m.factor("refill") == 23 / 17  # refill is measured at the batch memory allows, as before
+    assert m.factor("memory") == 17 / 8
+    assert m.factor("step cost") == 1.0
+    assert m.total == one / 8
+    assert math.isclose(product(m), m.total, rel_tol=1e-12)
+
+
+def test_the_baseline_batch_factor_is_what_the_old_memory_factor_lumped_in():
+    """Split out, not added: a baseline below its memory totals its baseline batch times what a
+    baseline at its memory totals, against the same paged run."""
+    below, at = take_apart(TOY, TOY_BELOW, lk.simulate), take_apart(TOY, TOY_MEMORY, lk.simulate)
+    assert below.runs["paged"].num_steps == at.runs["paged"].num_steps
+    assert math.isclose(below.total, below.factor("baseline batch") * at.total, rel_tol=1e-12)
+
+
+def test_a_baseline_at_its_memory_has_no_baseline_batch_factor():
+    """Negative control: the factor appears only when the baseline ran fewer than the pool holds,
+    and its value moves with the baseline's batch."""
+    at = take_apart(TOY, Memory(pool_tokens=16, reserve_tokens=8, max_slots=8, block_size=1, baseline_slots=2),
+                    lk.simulate)
+    assert "full static" not in at.runs and at.factor("baseline batch") == 1
+    wide = Memory(pool_tokens=32, reserve_tokens=8, max_slots=8, block_size=1)  # holds 4
+    lengths = [int(n) for n in TOY.output_lengths]
+    values = {b0: take_apart(TOY, Memory(32, 8, max_slots=8, block_size=1, baseline_slots=b0), lk.simulate)
+              .factor("baseline batch") for b0 in (1, 2, 3)}
+    assert values == {b0: static_steps(lengths, b0) / static_steps(lengths, 4) for b0 in (1, 2, 3)}
+    assert len(set(values.values())) == 3
+    assert take_apart(TOY, wide, lk.simulate).factor("baseline batch") == 1
+
+
 def test_the_toy_factors_depend_on_the_slots():
     """Negative control: the step counts the factors are built from change with the baseline's slots."""
     assert lk.simulate(TOY, lk.Continuous(num_slots=3)).num_steps != 17
@@ -71,16 +124,20 @@ def test_a_step_cost_model_moves_step_cost_off_one():
     assert math.isclose(product(m), m.total, rel_tol=1e-12)
 
 
-def test_policies_are_the_three_schedules():
+def test_policies_are_the_schedules():
     assert TOY_MEMORY.policies() == {
         "static": lk.Static(num_slots=2),
         "continuous": lk.Continuous(num_slots=2),
         "paged": lk.Continuous(num_slots=8, num_blocks=16, block_size=1),
     }
     capped = Memory(pool_tokens=64, reserve_tokens=8, max_slots=8, block_size=4, baseline_slots=3)
-    assert capped.num_reserved_slots == 3 and capped.num_blocks == 16
-    assert capped.policies()["static"] == lk.Static(num_slots=3)
-    assert capped.policies()["continuous"] == lk.Continuous(num_slots=3)
+    assert capped.num_reserved_slots == 3 and capped.num_memory_slots == 8 and capped.num_blocks == 16
+    assert capped.policies() == {
+        "static": lk.Static(num_slots=3),
+        "full static": lk.Static(num_slots=8),
+        "continuous": lk.Continuous(num_slots=8),
+        "paged": lk.Continuous(num_slots=8, num_blocks=16, block_size=4),
+    }
 
 
 # the product and the independently built factors, on random traces and pools
@@ -99,7 +156,7 @@ def cases(draw):
     pool = block_size * draw(st.integers(-(-reserve // block_size), -(-reserve * 8 // block_size)))
     b0 = pool // reserve
     baseline_slots = draw(st.one_of(st.none(), st.integers(1, b0)))
-    max_slots = draw(st.integers(baseline_slots or b0, (baseline_slots or b0) + 12))
+    max_slots = draw(st.integers(b0, b0 + 12))  # paging holds at least what reservations do
     return trace, Memory(pool, reserve, max_slots=max_slots, block_size=block_size, baseline_slots=baseline_slots)
 
 
@@ -110,10 +167,12 @@ def test_factors_multiply_to_the_total_and_equal_the_hand_built_ratios(case, pri
     run = partial(lk.simulate, cost=COST) if priced else lk.simulate
     m = take_apart(trace, memory, run)
     assert math.isclose(product(m), m.total, rel_tol=1e-12)
-    static, continuous, paged = by_hand(trace, memory, run)
+    static, full, continuous, paged = by_hand(trace, memory, run)
     assert m.total == static.duration / paged.duration
-    assert m.factor("refill") == static.num_steps / continuous.num_steps
+    assert m.factor("baseline batch") == static.num_steps / full.num_steps
+    assert m.factor("refill") == full.num_steps / continuous.num_steps
     assert m.factor("memory") == continuous.num_steps / paged.num_steps
+    assert m.factor("step cost") == ((static.duration / static.num_steps) / (paged.duration / paged.num_steps))
     assert m.factor("refill") >= 1  # refilling never takes more steps than waiting, at the same slots
     if abs(math.log(m.total)) > 1e-6:  # a total within rounding of 1 has no meaningful shares
         assert math.isclose(sum(m.log_share(kind) for kind in KINDS), 1.0, rel_tol=1e-6)
@@ -145,7 +204,7 @@ def test_a_three_times_slower_baseline_is_an_implementation_factor_of_three():
     assert m.baseline == "slow" and list(m.runs) == ["slow", "static", "continuous", "paged"]
     assert [(f.kind, f.name) for f in m.factors][0] == ("implementation", "slow → labkit")
     assert math.isclose(m.factor("implementation"), 3, rel_tol=1e-12)
-    static, _, paged = by_hand(TOY, TOY_MEMORY, partial(lk.simulate, cost=COST))
+    static, _, _, paged = by_hand(TOY, TOY_MEMORY, partial(lk.simulate, cost=COST))
     slow = lk.simulate(TOY, lk.Static(num_slots=2), cost=COST.scaled(3))
     assert m.total == slow.duration / paged.duration
     assert math.isclose(m.total, 3 * static.duration / paged.duration, rel_tol=1e-12)
@@ -193,9 +252,10 @@ def test_a_run_that_serves_fewer_tokens_is_refused():
         take_apart(TOY, TOY_MEMORY, lk.simulate, {"short": short})
 
 
-def test_a_baseline_named_after_a_schedule_is_refused():
+@pytest.mark.parametrize("name", ["static", "full static", "continuous", "paged"])
+def test_a_baseline_named_after_a_schedule_is_refused(name):
     with pytest.raises(ValueError, match="names a schedule's run"):
-        take_apart(TOY, TOY_MEMORY, lk.simulate, {"static": lk.simulate})
+        take_apart(TOY, TOY_MEMORY, lk.simulate, {name: lk.simulate})
 
 
 # bad memory
@@ -208,6 +268,8 @@ def test_a_baseline_named_after_a_schedule_is_refused():
         (lambda: Memory(pool_tokens=16, reserve_tokens=8, baseline_slots=3), "baseline_slots = 3: the pool holds only 2"),
         (lambda: Memory(pool_tokens=16, reserve_tokens=8, max_slots=1), "max_slots = 1"),
         (lambda: Memory(pool_tokens=64, reserve_tokens=8, max_slots=4, baseline_slots=5), "max_slots = 4"),
+        (lambda: Memory(pool_tokens=64, reserve_tokens=8, max_slots=4, baseline_slots=2),
+         "max_slots = 4: fewer than the 8 requests the pool holds without paging"),
         (lambda: Memory(pool_tokens=16.0, reserve_tokens=8), "pool_tokens = 16.0"),
         (lambda: Memory(pool_tokens=16, reserve_tokens=True), "reserve_tokens = True"),
         (lambda: Memory(pool_tokens=16, reserve_tokens="8"), "reserve_tokens = '8'"),
@@ -237,7 +299,7 @@ def test_a_request_that_just_fits_is_accepted():
 
 
 def test_log_shares_sum_to_one_and_the_tables_fit_a_line():
-    m = predict(TOY, TOY_MEMORY, COST, {"hf": COST.scaled(3), "older": COST.scaled(2)})
+    m = predict(TOY, TOY_BELOW, COST, {"hf": COST.scaled(3), "older": COST.scaled(2)})
     assert math.isclose(sum(m.log_share(kind) for kind in KINDS), 1.0, rel_tol=1e-12)
     assert math.isclose(m.log_share("refill"), math.log(23 / 17) / math.log(m.total), rel_tol=1e-12)
     text = str(m)
@@ -246,7 +308,8 @@ def test_log_shares_sum_to_one_and_the_tables_fit_a_line():
     for factor in m.factors:
         assert factor.name in text and f"{factor.value:.2f}×" in text
     assert f"{m.total:.2f}×" in m.factor_table()
-    assert [line.split()[0] for line in m.run_table().splitlines()[-5:]] == list(m.runs)
+    rows = m.run_table().splitlines()[-len(m.runs):]
+    assert len(m.runs) == 6 and all(row.startswith(f"{name} ") for row, name in zip(rows, m.runs))
 
 
 def test_a_total_of_one_has_no_log_shares():
@@ -256,17 +319,35 @@ def test_a_total_of_one_has_no_log_shares():
     assert "-" in m.factor_table()
 
 
+# the check-yourself question: the implementation factor is what the others leave
+
+
+def test_the_missing_factor_is_the_implementation_take_apart_measures():
+    from labkit.exercises.multiplier import MissingFactor
+
+    m = predict(TOY, TOY_BELOW, COST, {"hf": COST.scaled(3)})
+    given = {kind.replace(" ", "_"): m.factor(kind) for kind in KINDS if kind != "implementation"}
+    question = MissingFactor(total=m.total, **given)
+    assert math.isclose(question.expected(), m.factor("implementation"), rel_tol=1e-12)
+    assert math.isclose(m.factor("implementation"), 3, rel_tol=1e-12)
+    assert question.verdict(3.0) and f"{m.factor('baseline batch'):g} × " in str(question.verdict(3.0))
+    # negative control: an answer that leaves out the baseline's batch is not it
+    forgot = m.total / (m.factor("refill") * m.factor("memory") * m.factor("step cost"))
+    assert not math.isclose(forgot, 3, rel_tol=0.05) and not question.verdict(forgot)
+
+
 # the engine: steps equal the simulator's, seconds are measured
 
 
 def test_the_engine_counts_the_simulators_steps():
     trace = lk.Trace.sample(12, output="exponential", mean_output=6, max_output=20, prompt="equal", mean_prompt=4,
                             seed=0)
-    memory = Memory(pool_tokens=72, reserve_tokens=24, max_slots=12, block_size=4)
+    memory = Memory(pool_tokens=72, reserve_tokens=24, max_slots=12, block_size=4, baseline_slots=2)  # B = 3
     engine = Engine(TINY, device="cpu", seed=0, threads=1)
     m = take_apart(trace, memory, partial(engine.run, progress=False))
     predicted = take_apart(trace, memory, lk.simulate)
-    assert (m.factor("refill"), m.factor("memory")) == (predicted.factor("refill"), predicted.factor("memory"))
+    counted = ("baseline batch", "refill", "memory")
+    assert [m.factor(kind) for kind in counted] == [predicted.factor(kind) for kind in counted]
     assert {k: log.num_steps for k, log in m.runs.items()} == {k: log.num_steps for k, log in predicted.runs.items()}
     static, paged = m.runs["static"], m.runs["paged"]
     assert m.factor("step cost") == (static.duration / static.num_steps) / (paged.duration / paged.num_steps)
@@ -281,7 +362,8 @@ def test_the_engine_counts_the_simulators_steps():
 
 
 def test_the_waterfall_climbs_factor_by_factor_to_the_total():
-    m = predict(TOY, TOY_MEMORY, COST, {"hf": COST.scaled(3)})
+    m = predict(TOY, TOY_BELOW, COST, {"hf": COST.scaled(3)})
+    assert [f.kind for f in m.factors] == list(KINDS)  # one bar of each kind
     assert m.factor("step cost") < 1  # one bar points down
     fig = lk.viz.multiplier_waterfall(m)
     assert len(fig.data) == len(m.factors) + 1
@@ -300,7 +382,7 @@ def test_the_waterfall_climbs_factor_by_factor_to_the_total():
 
 
 def test_the_bars_stack_log_factors_to_each_total_and_star_only_published_names():
-    ms = {"toy": predict(TOY, TOY_MEMORY, COST, {"hf": COST.scaled(3)}),
+    ms = {"toy": predict(TOY, TOY_BELOW, COST, {"hf": COST.scaled(3)}),
           "wider": take_apart(TOY, Memory(pool_tokens=24, reserve_tokens=8, max_slots=8, block_size=1), lk.simulate)}
     fig = lk.viz.multiplier_bars(ms, published={"toy": 24.0})
     bars = [t for t in fig.data if t.type == "bar"]

@@ -20,12 +20,12 @@ def test_the_lessons_exist():
     names = [path.name for path in NOTEBOOKS]
     assert "01_static_vs_continuous.ipynb" in names
     assert "02_how_much_it_buys.ipynb" in names
-    assert "06_exercises.ipynb" in names
-    assert "07_when_the_cpu_shows.ipynb" in names
-    assert "08_your_traffic_on_a_real_server.ipynb" in names
-    assert "09_where_multipliers_come_from.ipynb" in names
-    assert "10_who_goes_first.ipynb" in names
-    assert names[-1] == "11_in_30_seconds.ipynb"  # the 30-second summary stays last
+    assert "07_exercises.ipynb" in names
+    assert "08_when_the_cpu_shows.ipynb" in names
+    assert "09_your_traffic_on_a_real_server.ipynb" in names
+    assert "10_where_multipliers_come_from.ipynb" in names
+    assert "11_who_goes_first.ipynb" in names
+    assert names[-1] == "12_in_30_seconds.ipynb"  # the 30-second summary stays last
 
 
 @pytest.mark.parametrize("path", EVERY_COPY, ids=lambda p: f"{p.parent.name}/{p.name}")

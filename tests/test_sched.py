@@ -1,6 +1,7 @@
 """The scheduling core: exact schedules, policy decisions, invariants and bad input."""
 
 import gc
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -9,7 +10,8 @@ from hypothesis import strategies as st
 
 import labkit as lk
 from labkit.sched import Decision, Request, SchedulerState
-from strategies import prompted_traces, traces
+from strategies import knobs, prompted_traces, traces
+from test_fastforward import assert_same_log
 
 # Exact schedules ------------------------------------------------------------------------
 
@@ -269,6 +271,56 @@ def test_preemption_puts_the_newest_back_and_recomputes_it():
     assert (log.num_emitted.sum(), log.num_tokens) == (12, 12)
 
 
+def test_static_computes_finished_rows_and_the_simulator_prices_them():
+    # Prompts of 2 (3 tokens with BOS); outputs 1 and 3. Step 0 prefills both (6 tokens, 6 cached)
+    # and request 0 is done. Steps 1 and 2: request 1 decodes at contexts 4 and 5, and request 0
+    # still computes one token at its frozen context of 3 unless its row is dropped.
+    trace = lk.Trace.from_lengths([1, 3], prompt_lengths=[2, 2])
+    cost = lk.CostModel(overhead=1e-3, per_prefill_token=1e-4, per_decode_token=1e-2, per_kv_token=1e-6)
+    padded = lk.simulate(trace, lk.Static(num_slots=2), cost=cost)
+    dropped = lk.simulate(trace, lk.Static(num_slots=2, drop_finished=True), cost=cost)
+    assert padded.num_padded_rows.tolist() == [0, 1, 1] and dropped.num_padded_rows.tolist() == [0, 0, 0]
+    assert padded.num_decode_tokens.tolist() == [0, 2, 2] and dropped.num_decode_tokens.tolist() == [0, 1, 1]
+    assert padded.num_kv_tokens.tolist() == [6, 4 + 3, 5 + 3] and dropped.num_kv_tokens.tolist() == [6, 4, 5]
+    np.testing.assert_allclose(padded.step_seconds, [1e-3 + 6e-4 + 6e-6, 1e-3 + 2e-2 + 7e-6, 1e-3 + 2e-2 + 8e-6])
+    np.testing.assert_allclose(dropped.step_seconds, [1e-3 + 6e-4 + 6e-6, 1e-3 + 1e-2 + 4e-6, 1e-3 + 1e-2 + 5e-6])
+    # a padded row is no useful slot-step: occupancy and utilization are the same
+    assert padded.slots.tolist() == dropped.slots.tolist() == [[0, 1], [-1, 1], [-1, 1]]
+    assert padded.utilization == dropped.utilization == 4 / 6
+
+
+def test_continuous_with_whole_length_reservations_refills_but_fits_fewer():
+    # Blocks of 8, a pool of 8. Request 0 (10 outputs) reserves 2 blocks for its 11 tokens;
+    # the others (30 outputs) 4 each for 31 tokens.
+    trace = lk.Trace.from_lengths([10, 30, 30, 30], prompt_lengths=[1] * 4)
+    pool = {"num_blocks": 8, "block_size": 8}
+    static = lk.simulate(trace, lk.Static(num_slots=4, **pool))
+    reserved = lk.simulate(trace, lk.Continuous(num_slots=4, reserve="whole", **pool))
+    paged = lk.simulate(trace, lk.Continuous(num_slots=4, **pool))
+    # 0 and 1 fit (6 blocks); 2 waits for 0's blocks: until its batch ends under static
+    # batching (step 30), until 0 itself ends under continuous batching (step 10).
+    assert static.admit_step.tolist() == [0, 0, 30, 30]
+    assert reserved.admit_step.tolist() == [0, 0, 10, 30]
+    assert reserved.blocked[1] == "no_blocks" and reserved.num_preemptions == 0
+    assert reserved.num_blocks_used.tolist()[:10] == [6] * 10 and reserved.num_blocks_used.max() == 8
+    # Paging admits all four on one block each; at step 15 three need a third block, two are
+    # free, and the newest, 3, is preempted with its 16 cached tokens, back when 1 and 2 end.
+    assert (paged.slots[0] >= 0).sum() == 4
+    assert paged.preempted_at == [(15, 3)] and paged.recomputed_tokens == 16
+    # Request 3 waits for a 30-output request's blocks in the first two arms: both end at step 59.
+    assert (static.num_steps, reserved.num_steps, paged.num_steps) == (60, 60, 45)
+
+
+def test_reserve_must_be_a_known_scheme():
+    with pytest.raises(ValueError, match=r"reserve = 'all': choose one of \('on_demand', 'whole'\)"):
+        lk.Continuous(2, reserve="all")
+
+
+def test_drop_finished_must_be_true_or_false():
+    with pytest.raises(ValueError, match="drop_finished = 1: must be True or False"):
+        lk.Static(2, drop_finished=1)
+
+
 def test_static_reserves_whole_lengths_so_fewer_requests_fit():
     trace = lk.Trace.from_lengths([30] * 4, prompt_lengths=[1] * 4)  # 31 tokens each at most: 4 blocks of 8
     static = lk.simulate(trace, lk.Static(num_slots=4, num_blocks=8, block_size=8))
@@ -284,12 +336,28 @@ def test_static_reserves_whole_lengths_so_fewer_requests_fit():
         (lk.Continuous(2, max_tokens_per_step=8), "request 0: its prompt can take 11 tokens in one step"),
         (lk.Continuous(2, num_blocks=20, max_tokens_per_step=12),
          "request 0: its prompt plus outputs to recompute after a preemption can take 15 tokens"),
+        (lk.Priority(2, max_tokens_per_step=12),  # preempts for a waiting request even without a pool
+         "request 0: its prompt plus outputs to recompute after a preemption can take 15 tokens"),
         (lk.Static(2, num_blocks=3, block_size=4), "more than the whole pool of num_blocks = 3"),
     ],
 )
 def test_requests_that_can_never_fit_are_refused_before_any_work(policy, message):
     with pytest.raises(ValueError, match=message):
         lk.simulate(lk.Trace.from_lengths([5], prompt_lengths=[10]), policy)
+
+
+def test_a_priority_policy_that_never_preempts_needs_only_the_prompt_in_one_step():
+    trace = lk.Trace.from_lengths([5], prompt_lengths=[10])
+    log = lk.simulate(trace, lk.Priority(2, max_tokens_per_step=12, preempt_for_waiting=False))
+    assert log.num_steps == 5  # the 10-token prompt and its first token, then four decodes
+
+
+def test_a_preempted_request_never_waits_for_a_budget_it_cannot_get():
+    """Found by Hypothesis: a request preempted for a more urgent one used to come back
+    with 4 tokens to recompute in one step and a budget of 1, and wait for ever."""
+    trace = lk.Trace.from_lengths([1] * 9 + [4, 1], arrivals=[0.0] * 10 + [0.3]).with_priorities([0] * 9 + [1, 0])
+    with pytest.raises(ValueError, match="request 9: its prompt plus outputs to recompute after a preemption"):
+        lk.simulate(trace, lk.Priority(num_slots=1, block_size=1, max_tokens_per_step=1))
 
 
 @pytest.mark.parametrize(
@@ -383,6 +451,36 @@ def test_when_blocks_run_out_priority_preempts_the_lowest_priority_not_the_newes
     pool = {"num_blocks": 6, "block_size": 4}
     assert lk.simulate(trace, lk.Priority(3, **pool)).preempted_at == [(5, 1)]
     assert lk.simulate(trace, lk.Continuous(3, **pool)).preempted_at == [(5, 2)]
+    assert lk.simulate(trace, lk.Priority(3, **pool, preempt_for_waiting=False)).preempted_at == [(5, 1)]
+
+
+def test_without_preempt_for_waiting_a_higher_priority_arrival_waits_for_a_free_slot_then_goes_first():
+    # vLLM V1: a waiting request never pushes a running one out; it only jumps the queue
+    trace = lk.Trace.from_lengths([4, 2, 2], arrivals=[0.0, 0.025, 0.05]).with_priorities([1, 1, 0])
+    v1 = lk.simulate(trace, lk.Priority(num_slots=1, preempt_for_waiting=False))
+    assert v1.slots[:, 0].tolist() == [0, 0, 0, 0, 2, 2, 1, 1] and v1.num_preemptions == 0
+    v0 = lk.simulate(trace, lk.Priority(num_slots=1))  # negative control: the default pushes A out for C
+    assert v0.slots[:, 0].tolist() == [0, 0, 2, 2, 0, 0, 1, 1] and v0.preempted_at == [(2, 0)]
+    assert lk.simulate(trace, lk.Continuous(num_slots=1)).slots[:, 0].tolist() == [0, 0, 0, 0, 1, 1, 2, 2]
+
+
+@settings(max_examples=100, deadline=None)
+@given(trace=prompted_traces(with_priorities=True), policy=knobs(kinds=(lk.Priority,)))
+def test_without_preempt_for_waiting_only_running_out_of_blocks_preempts_and_it_fast_forwards(trace, policy):
+    policy = replace(policy, preempt_for_waiting=False)
+    try:
+        jumped = lk.simulate(trace, policy, step_time=0.1)
+    except ValueError:  # a request that can never fit this policy is refused up front
+        return
+    assert_same_log(jumped, lk.simulate(trace, policy, step_time=0.1, fast_forward=False))
+    if policy.num_blocks is None or policy.reserve == "whole":
+        assert jumped.num_preemptions == 0
+    assert jumped.num_tokens == trace.output_lengths.sum()
+
+
+def test_preempt_for_waiting_must_be_true_or_false():
+    with pytest.raises(ValueError, match="preempt_for_waiting = 1: must be True or False"):
+        lk.Priority(2, preempt_for_waiting=1)
 
 
 @pytest.mark.parametrize("noise", [0.0, 1.0])
@@ -415,3 +513,34 @@ def test_a_selected_trace_keeps_its_priorities():
     trace = lk.Trace.from_lengths([1, 2, 3]).with_priorities([5, -1, 2])
     assert trace.select([2, 1]).priorities.tolist() == [2, -1]
     assert lk.Trace.from_lengths([1, 2]).priorities.tolist() == [0, 0]
+
+
+def test_lesson_04s_three_arms_separate_refill_from_paging():
+    # lesson 05's trace and pool: each arm changes one thing, and each change helps
+    trace = lk.Trace.sample(32, output="uniform", mean_output=64, prompt="uniform", mean_prompt=32, seed=0)
+    pool = {"num_slots": 16, "num_blocks": 64}
+    static = lk.simulate(trace, lk.Static(**pool))
+    reserved = lk.simulate(trace, lk.Continuous(**pool, reserve="whole"))
+    paged = lk.simulate(trace, lk.Continuous(**pool))
+    assert static.num_steps > reserved.num_steps > paged.num_steps  # refill, then paging, each saves steps
+    assert static.num_preemptions == reserved.num_preemptions == 0 < paged.num_preemptions
+    # whole-length reservations: the first step seats the same requests under both reserving arms
+    assert static.slots[0].tolist() == reserved.slots[0].tolist()
+    assert (paged.slots[0] >= 0).sum() > (reserved.slots[0] >= 0).sum()
+
+
+@settings(max_examples=60, deadline=None)
+@given(trace=prompted_traces(), num_slots=st.integers(1, 5), num_blocks=st.integers(4, 40),
+       block_size=st.integers(1, 6))
+def test_whole_length_reservations_never_preempt_and_hold_every_block_from_admission(trace, num_slots, num_blocks,
+                                                                                  block_size):
+    policy = lk.Continuous(num_slots, num_blocks=num_blocks, block_size=block_size, reserve="whole")
+    try:
+        log = lk.simulate(trace, policy)
+    except ValueError:  # a request whose whole length the pool cannot hold is refused up front
+        return
+    assert log.num_preemptions == 0
+    reservation = -(-(trace.prompt_lengths + trace.output_lengths) // block_size)  # blocks of BOS + prompt + L - 1
+    for step in range(log.num_steps):
+        seated = (log.admit_step <= step) & ((log.finish_step >= step) | (log.finish_step < 0))
+        assert log.num_blocks_used[step] == reservation[seated].sum()

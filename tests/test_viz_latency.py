@@ -103,7 +103,7 @@ def test_pareto_optimal(points, expected):
 
 
 def test_differences_within_the_tolerance_are_ties():
-    """Lesson 05's sweep: 2,048 beats whole prompts on ITL p99 by 0.0006 ms, and loses on TTFT by 2%."""
+    """Lesson 06's sweep: 2,048 beats whole prompts on ITL p99 by 0.0006 ms, and loses on TTFT by 2%."""
     whole, budget_2048 = TradeoffPoint(151.1006, 0.682, 438.0), TradeoffPoint(151.1000, 0.697, 438.0)
     assert pareto_optimal([whole, budget_2048]).tolist() == [True, False]
     assert dominates([whole, budget_2048]).tolist() == [[False, True], [False, False]]
@@ -165,7 +165,7 @@ def test_throughput_within_the_tolerance_gets_no_colour_scale():
 
 
 def test_nearby_points_get_labels_on_different_sides():
-    # lesson 05: whole prompts and a budget of 2,048 nearly coincide; 64 is far from both
+    # lesson 06: whole prompts and a budget of 2,048 nearly coincide; 64 is far from both
     assert label_positions([151.1, 12.4, 151.1], [0.682, 5.05, 0.697]) == ["top center", "top center", "bottom center"]
     assert label_positions([10, 10, 10], [1, 1, 1]) == ["top center", "bottom center", "middle right"]
     assert label_positions([10, 100], [1, 1]) == ["top center", "top center"]

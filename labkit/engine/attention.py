@@ -8,10 +8,14 @@ layouts do the same arithmetic:
 - `PerRequestAttention` (Orca's selective batching, as written in its paper): one
   attention call per request per layer, a Python loop over the batch. Clear, and its
   cost grows with the number of requests, not with their work.
-- `BatchedAttention` (the default, as serving engines do it): every request with one new
-  token (a decode, or a one-token chunk) joins one padded call, (D, nh, 1, L) queries
-  against (D, nh, L, hs) keys with a mask that hides the padding; a request with several
-  new tokens (a prompt, or a chunk of one) gets a call of its own, and a step has few.
+- `BatchedAttention` (the default, as serving engines do it): requests with one new token
+  (a decode, or a one-token chunk) are grouped by context length, and each group joins one
+  padded call, (D, nh, 1, L) queries against (D, nh, L, hs) keys with a mask that hides the
+  padding; a request with several new tokens (a prompt, or a chunk of one) gets a call of
+  its own, and a step has few. Grouping keeps one long context from padding every short
+  one to its length: sorted by context, a group pads at most 25% of its real context
+  tokens, or 256 slots, about what one more call costs on a CPU (`bucket_by_context`). A
+  CUDA graph (`cuda_graphs`) keeps one group, padded to its bucket: a graph fixes shapes.
 
 Both are planned once per step (`plan_attention`), from the step's block tables, and
 then called once per layer. DESIGN.md records the measurements behind the choice.
@@ -20,6 +24,8 @@ Invariants:
 
 - a query at position p of request r reads exactly r's cache slots for positions 0..p;
 - padding is masked, never read into a result: the two layouts give the same values;
+- in a planned step, every one-token request is in exactly one decode group, and no group
+  pads more than the waste bound allows;
 - planning reads nothing back from the device; a plan holds only index tensors and masks.
 """
 
@@ -153,21 +159,50 @@ def decode_group(rows: torch.Tensor, block_tables: torch.Tensor, context_lens: t
     return DecodeGroup(rows, slots, key_mask[:, None, None, :])
 
 
+MAX_WASTE = 0.25  # a decode group pads at most this fraction of its real context tokens ...
+WASTE_ALLOWANCE = 256  # ... or this many slots, whichever is more: about one more call's cost (2-core CPU)
+
+
+def within_waste_bound(padded: int, real: int) -> bool:
+    """Whether padding `real` context tokens out to `padded` slots wastes little enough for one call."""
+    return padded - real <= max(MAX_WASTE * real, WASTE_ALLOWANCE)
+
+
+def bucket_by_context(requests: list[int], context_lens: list[int]) -> list[list[int]]:
+    """`requests` in groups whose padding to their longest context stays within the waste bound.
+
+    Taken shortest context first, each request joins the current group if the group, padded to this
+    (longest yet) context, stays within the bound, and starts a new group otherwise. Each group lists
+    its requests in step order.
+    """
+    groups: list[list[int]] = []
+    real = 0  # the current group's context tokens
+    for i in sorted(requests, key=context_lens.__getitem__):
+        length = context_lens[i]
+        if groups and within_waste_bound(length * (len(groups[-1]) + 1), real + length):
+            groups[-1].append(i)
+            real += length
+        else:
+            groups.append([i])
+            real = length
+    return [sorted(group) for group in groups]
+
+
 @dataclass
 class BatchedAttention:
-    """One padded call for all one-token requests, one call per multi-token request."""
+    """One padded call per group of one-token requests of similar context, one call per multi-token request."""
 
-    decodes: DecodeGroup | None
+    decodes: list[DecodeGroup]
     prefills: list[_OneRequest]
     scratch: GatherScratch | None = None
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         """q: (T, nh, hs) rotated queries; k_cache, v_cache: (num_slots, nh, hs). Returns (T, nh, hs)."""
-        if not self.prefills:  # a pure decode step: the rows are the requests, in order
-            return self.decodes.attend(q, k_cache, v_cache, self.scratch)
+        if not self.prefills and len(self.decodes) == 1:  # one group of every request: its rows are 0..T-1
+            return self.decodes[0].attend(q, k_cache, v_cache, self.scratch)
         out = torch.empty_like(q)  # (T, nh, hs)
-        if self.decodes is not None:
-            out.index_copy_(0, self.decodes.rows, self.decodes.attend(q, k_cache, v_cache, self.scratch))
+        for group in self.decodes:
+            out.index_copy_(0, group.rows, group.attend(q, k_cache, v_cache, self.scratch))
         for prefill in self.prefills:
             out[prefill.rows] = prefill.attend(q, k_cache, v_cache, self.scratch)
         return out
@@ -187,14 +222,15 @@ def plan_attention(layout: str, num_new: list[int], context_lens: list[int], blo
         slots = context_slots(block_tables[i : i + 1], context_lens[i], block_size)[0]  # (L,)
         return _one_request(slice(first_rows[i], first_rows[i] + num_new[i]), slots)
 
+    def group(requests: list[int]) -> DecodeGroup:
+        device = block_tables.device
+        lens = torch.tensor([context_lens[i] for i in requests], device=device)  # (D,)
+        rows = torch.tensor([first_rows[i] for i in requests], device=device)  # (D,)
+        tables = block_tables.index_select(0, torch.tensor(requests, device=device))  # (D, max_blocks)
+        return decode_group(rows, tables, lens, block_size, max(context_lens[i] for i in requests))
+
     if layout == "per_request":
         return PerRequestAttention([one_request(i) for i in range(len(num_new))], scratch)
     one_token = [i for i, n in enumerate(num_new) if n == 1]
-    decodes = None
-    if one_token:
-        device = block_tables.device
-        lens = torch.tensor([context_lens[i] for i in one_token], device=device)  # (D,)
-        rows = torch.tensor([first_rows[i] for i in one_token], device=device)  # (D,)
-        tables = block_tables if len(one_token) == len(num_new) else block_tables[rows.new_tensor(one_token)]
-        decodes = decode_group(rows, tables, lens, block_size, max(context_lens[i] for i in one_token))
-    return BatchedAttention(decodes, [one_request(i) for i, n in enumerate(num_new) if n > 1], scratch)
+    return BatchedAttention([group(requests) for requests in bucket_by_context(one_token, context_lens)],
+                            [one_request(i) for i, n in enumerate(num_new) if n > 1], scratch)

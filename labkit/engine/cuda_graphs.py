@@ -133,6 +133,6 @@ class DecodeGraphs:
         context_len = bucket.block_tables.shape[1] * self.cache.block_size
         decodes = decode_group(bucket.rows, bucket.block_tables, bucket.context_lens, self.cache.block_size,
                                context_len)
-        attention = BatchedAttention(decodes, prefills=[])
+        attention = BatchedAttention([decodes], prefills=[])
         return self.model.logits(bucket.input_ids, bucket.positions, bucket.write_slots, bucket.rows, self.cache,
                                  attention)

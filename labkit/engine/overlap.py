@@ -78,7 +78,7 @@ class OverlappedSteps(TorchSteps):
     def launch(self, state: SchedulerState, batch: Batch, log: StepLog) -> _Launched:
         if self._last_land is None:
             self._last_land = time.perf_counter()
-        rows = self._rows(state, batch)
+        rows = self._rows(batch)
         step_batch = self._prepare(rows)
         emitting = self._emitting(rows)
         indices = [rows[i][0].index for i in emitting]

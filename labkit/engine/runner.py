@@ -25,7 +25,9 @@ Invariants:
   arrival rather than sleeping;
 - under `Static(drop_finished=False)`, a finished request that still holds its slot
   is computed anyway, as a padded row whose output is thrown away (as Hugging Face's
-  `generate` does); with `drop_finished=True` only live rows are computed.
+  `generate` does); with `drop_finished=True` only live rows are computed. The padded
+  rows are the batch's (`labkit.sched.state.Batch.padding`), so the simulator prices
+  exactly the rows the engine computes.
 """
 
 from __future__ import annotations
@@ -124,10 +126,10 @@ class Engine:
             total=int(trace.output_lengths.sum()), unit="tok", delay=1.0, disable=not progress, leave=False
         ) as bar:
             if self.overlap:
-                with OverlappedSteps(self, cache, policy, trace, graphs, progress=bar) as steps:
+                with OverlappedSteps(self, cache, trace, graphs, progress=bar) as steps:
                     log = drive_overlapped(trace, policy, steps, on_step, blocks)
             else:
-                steps = TorchSteps(self, cache, policy, trace, graphs, progress=bar)
+                steps = TorchSteps(self, cache, trace, graphs, progress=bar)
                 log = drive(trace, policy, steps, on_step, blocks)
         assert blocks.num_free_blocks == blocks.num_blocks, "a run must return every KV block"
         log.outputs = {int(trace.ids[i]): tokens[len(steps.prompt(i)) :] for i, tokens in steps.sequences.items()}

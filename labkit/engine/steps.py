@@ -47,7 +47,6 @@ class TorchSteps:
 
     engine: object  # the Engine: its model, device and prompt ids
     cache: PagedKVCache
-    policy: object
     trace: Trace
     graphs: DecodeGraphs | None = None
     sequences: dict[int, list[int]] = field(default_factory=dict)
@@ -67,7 +66,7 @@ class TorchSteps:
     def execute(self, state: SchedulerState, batch: Batch, log: StepLog) -> float:
         start = time.perf_counter()
         step_start = self._last_step_end or start
-        rows = self._rows(state, batch)
+        rows = self._rows(batch)
         step_batch = self._prepare(rows)
         prepared = time.perf_counter()
         emitting = self._emitting(rows)
@@ -94,10 +93,10 @@ class TorchSteps:
         for lane, stretch in (("host", (step_start, prepared)), ("device", (prepared, computed)), ("host", (computed, end))):
             log.record_lane(lane, *(moment - self.run_start for moment in stretch))
 
-    def _rows(self, state: SchedulerState, batch: Batch) -> list[tuple[Request, int]]:
-        """(request, tokens) per row: the batch's, then any finished request kept as padding."""
-        padded = [] if getattr(self.policy, "drop_finished", True) else state.finished_in_slots()
-        return [*batch.rows, *((request, 0) for request in padded)]
+    @staticmethod
+    def _rows(batch: Batch) -> list[tuple[Request, int]]:
+        """(request, tokens) per row: the batch's, then its padding (finished requests, 0 new tokens)."""
+        return [*batch.rows, *((request, 0) for request in batch.padding)]
 
     @staticmethod
     def _emitting(rows: list[tuple[Request, int]]) -> list[int]:

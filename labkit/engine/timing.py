@@ -1,7 +1,8 @@
 """What one decode step costs, and what it is made of: measurements for lessons and benchmarks.
 
-A decode step of B requests, each with `context_len` tokens in the cache, runs on a cache
-laid out as a real run's would be after that many tokens. Its time splits three ways:
+A decode step of B requests, each with `context_len` tokens in the cache (or each with its
+own, `ragged_decode_step_seconds`), runs on a cache laid out as a real run's would be after
+that many tokens. Its time splits three ways:
 
 - GEMMs: every linear layer of the step (per layer qkv, o, gate_up, down; then the LM
   head), timed alone on inputs of the same shapes;
@@ -63,12 +64,14 @@ def _median_seconds(call, device: torch.device, repeats: int) -> float:
     return float(np.median(timings[1:]))
 
 
-def _decode_step(engine, batch_size: int, context_len: int, block_size: int) -> tuple[PagedKVCache, StepBatch]:
-    """A cache and a decode step of `batch_size` requests at position context_len - 1."""
-    blocks_per_request = -(-context_len // block_size)
-    cache = PagedKVCache(engine.config, batch_size * blocks_per_request, block_size, engine.device, engine.dtype)
-    tables = np.arange(batch_size * blocks_per_request).reshape(batch_size, -1)  # (B, blocks)
-    batch = StepBatch.build([[1]] * batch_size, [context_len - 1] * batch_size, list(tables), block_size,
+def _decode_step(engine, context_lens: list[int], block_size: int) -> tuple[PagedKVCache, StepBatch]:
+    """A cache and a decode step of one request per entry of `context_lens`, each at position context_len - 1,
+    its blocks laid out one request after another."""
+    blocks_each = [-(-length // block_size) for length in context_lens]
+    cache = PagedKVCache(engine.config, sum(blocks_each), block_size, engine.device, engine.dtype)
+    first_blocks = np.cumsum(blocks_each) - blocks_each  # (B,)
+    tables = [np.arange(first, first + count) for first, count in zip(first_blocks, blocks_each)]
+    batch = StepBatch.build([[1]] * len(context_lens), [length - 1 for length in context_lens], tables, block_size,
                             engine.device)
     return cache, batch
 
@@ -76,7 +79,12 @@ def _decode_step(engine, batch_size: int, context_len: int, block_size: int) -> 
 def decode_step_seconds(engine, batch_size: int, context_len: int = 128, repeats: int = 5,
                         block_size: int = 16) -> float:
     """Median seconds of one decode step, as the engine runs it (from a CUDA graph where it uses them)."""
-    cache, batch = _decode_step(engine, batch_size, context_len, block_size)
+    return ragged_decode_step_seconds(engine, [context_len] * batch_size, repeats, block_size)
+
+
+def ragged_decode_step_seconds(engine, context_lens: list[int], repeats: int = 5, block_size: int = 16) -> float:
+    """Median seconds of one decode step of requests `context_lens[i]` tokens deep each, as the engine runs it."""
+    cache, batch = _decode_step(engine, context_lens, block_size)
     step = DecodeGraphs(engine.model, cache) if engine.cuda_graphs else functools.partial(engine.model, cache=cache)
     with torch.inference_mode(), torch_threads(engine.threads):
         return _median_seconds(lambda: step(batch), engine.device, repeats)
@@ -86,7 +94,7 @@ def decode_step_parts(engine, batch_size: int, context_len: int = 128, repeats: 
                       block_size: int = 16) -> dict[str, float]:
     """Median seconds of an eager decode step and of its parts: "step", "GEMMs", "attention", "other"."""
     model, config = engine.model, engine.config
-    cache, batch = _decode_step(engine, batch_size, context_len, block_size)
+    cache, batch = _decode_step(engine, [context_len] * batch_size, block_size)
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]  # the step's, in order
     inputs = {m.in_features: torch.randn(batch_size, m.in_features, device=engine.device, dtype=engine.dtype)
               for m in linears}

@@ -1,4 +1,4 @@
-"""labkit.exercises: problems with instant feedback, for lessons 06, 07, 09 and 10.
+"""labkit.exercises: problems with instant feedback, for lessons 07, 08, 10 and 11.
 
     from labkit.exercises import q1
     q1.check(answer)     # prints a verdict and returns it: truthy only when correct

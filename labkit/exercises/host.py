@@ -1,4 +1,4 @@
-"""A predict-then-check problem for lesson 07: how long a step takes when host and device
+"""A predict-then-check problem for lesson 08: how long a step takes when host and device
 take turns, and when they overlap.
 
 Invariants: the expected answer, and every number a verdict quotes, comes from

@@ -1,4 +1,4 @@
-"""A predict-then-check problem for lesson 10: what admitting the shortest request first
+"""A predict-then-check problem for lesson 11: what admitting the shortest request first
 does to the mean TTFT, and who pays for it.
 
 Invariants: the expected answer, and every number a verdict quotes, comes from

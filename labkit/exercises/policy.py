@@ -59,13 +59,14 @@ class NoDecision(PolicyError):
 class RefillPolicy:
     """A policy made of a refill function: unlimited KV pool, no token budget. It has what
     `drive` asks of a policy: num_slots, num_blocks, block_size, reserves_whole_length,
-    check_fits and schedule."""
+    pads_finished, check_fits and schedule."""
 
     refill: Callable[[SchedulerState], Decision]
     num_slots: int
     num_blocks = None
     block_size = 16
     reserves_whole_length = False
+    pads_finished = False
 
     def __post_init__(self):
         if not callable(self.refill):

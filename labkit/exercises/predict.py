@@ -315,7 +315,7 @@ class SmallestPool(Question):
     def hint_text(self) -> str:
         return ("Search: for each num_blocks, lk.simulate(q4.trace, q4.policy(num_blocks)).num_preemptions. Start "
                 "from the largest request's need, or from the peak of a run whose pool never binds "
-                "(num_blocks_used.max(), lesson 04), which surely needs no preemption.")
+                "(num_blocks_used.max(), lesson 05), which surely needs no preemption.")
 
     def solution_text(self) -> str:
         smallest = self.expected()

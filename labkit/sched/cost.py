@@ -26,6 +26,7 @@ Invariants:
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, fields, replace
 from functools import cached_property
@@ -117,7 +118,8 @@ class CostModel:
     def step_seconds(self, num_prefill_tokens, num_decode_tokens, num_kv_tokens, num_requests=None):
         """Seconds one step takes: host + device, or with overlap max(host, device) + overlap_exposed.
 
-        num_requests: requests scheduled in the step; needed only when `host_per_request` is set.
+        num_requests: rows the step computes (requests scheduled, and padded rows); needed only
+        when `host_per_request` is set.
         """
         device = self.device_seconds(num_prefill_tokens, num_decode_tokens, num_kv_tokens)
         if not self.has_host_terms and not self.overlap:
@@ -136,20 +138,25 @@ class CostModel:
             seconds = np.add(host, device)
         return float(seconds) if np.ndim(seconds) == 0 else seconds
 
-    def decode_run_seconds(self, num_requests: int, first_num_kv_tokens: int, num_steps: int) -> np.ndarray:
+    def decode_run_seconds(self, num_requests: int, first_num_kv_tokens: int, num_steps: int,
+                           num_padded: int = 0) -> np.ndarray:
         """Seconds of each of `num_steps` plain decode steps of `num_requests` requests, the
-        first reading `first_num_kv_tokens` KV tokens and each later one `num_requests` more."""
-        floor, first, growth = self._decode_run_terms(num_requests, first_num_kv_tokens)
+        first reading `first_num_kv_tokens` KV tokens and each later one `num_requests` more;
+        `num_padded` more rows compute a token each at a context that does not grow (static
+        batching's finished rows; their KV tokens are in `first_num_kv_tokens`)."""
+        floor, first, growth = self._decode_run_terms(num_requests, first_num_kv_tokens, num_padded)
         return np.maximum(floor, first + growth * np.arange(num_steps))  # (steps,)
 
-    def decode_run_total(self, num_requests: int, first_num_kv_tokens: int, num_steps: int) -> float:
+    def decode_run_total(self, num_requests: int, first_num_kv_tokens: int, num_steps: int,
+                         num_padded: int = 0) -> float:
         """The sum of `decode_run_seconds`, in closed form."""
-        return _run_total(self._decode_run_terms(num_requests, first_num_kv_tokens), num_steps)
+        return _run_total(self._decode_run_terms(num_requests, first_num_kv_tokens, num_padded), num_steps)
 
-    def decode_run_length(self, num_requests: int, first_num_kv_tokens: int, seconds: float, max_steps: int) -> int:
+    def decode_run_length(self, num_requests: int, first_num_kv_tokens: int, seconds: float, max_steps: int,
+                          num_padded: int = 0) -> int:
         """How many steps of such a run pass, at most `max_steps`, until `seconds` have passed:
         the step during which they pass counts. A bisection on the closed-form total."""
-        terms = self._decode_run_terms(num_requests, first_num_kv_tokens)
+        terms = self._decode_run_terms(num_requests, first_num_kv_tokens, num_padded)
         low, high = 1, max_steps  # the answer lies in [low, high]
         while low < high:
             middle = (low + high) // 2
@@ -159,14 +166,28 @@ class CostModel:
                 low = middle + 1
         return low
 
-    def _decode_run_terms(self, num_requests: int, first_num_kv_tokens: int) -> tuple[float, float, float]:
+    def _decode_run_terms(self, num_requests: int, first_num_kv_tokens: int,
+                          num_padded: int) -> tuple[float, float, float]:
         """(floor, first, growth): step k of a decode run takes max(floor, first + growth * k) seconds."""
-        device = self.overhead + self.per_decode_token * num_requests + self.per_kv_token * first_num_kv_tokens
-        growth = self.per_kv_token * num_requests
-        host = self.host_overhead + (self.host_per_request + self.host_per_token) * num_requests  # a token each
+        num_rows = num_requests + num_padded
+        device = self.overhead + self.per_decode_token * num_rows + self.per_kv_token * first_num_kv_tokens
+        growth = self.per_kv_token * num_requests  # padded rows' contexts do not grow
+        host = self.host_overhead + (self.host_per_request + self.host_per_token) * num_rows  # a token each
         if self.overlap:
             return host + self.overlap_exposed, device + self.overlap_exposed, growth
         return 0.0, host + device, growth
+
+    @classmethod
+    def load(cls, path) -> CostModel:
+        """The model saved under "model" in a JSON file, as `benchmarks/fit_engine_cost.py`
+        saves this engine's price in `benchmarks/results/engine-cost.json`."""
+        with open(path) as handle:
+            saved = json.load(handle).get("model")
+        names = {f.name for f in fields(cls)}
+        if not isinstance(saved, dict) or not saved.keys() <= names:
+            raise ValueError(f"{path}: its \"model\" must map coefficient names ({', '.join(sorted(names))}) to "
+                             f"numbers, not {saved!r}")
+        return cls(**saved)
 
     @classmethod
     def fit(cls, log, holdout: float = 0.25, seed: int = 0) -> CostFit:
@@ -178,7 +199,7 @@ class CostModel:
                 log.num_prefill_tokens, log.num_decode_tokens, log.num_kv_tokens, log.step_seconds, holdout, seed
             )
         return cls.fit_split(
-            log.num_prefill_tokens, log.num_decode_tokens, log.num_kv_tokens, log.num_requests,
+            log.num_prefill_tokens, log.num_decode_tokens, log.num_kv_tokens, log.num_rows,
             log.host_seconds, log.device_seconds, log.step_seconds, log.overlap, holdout, seed,
         )
 

@@ -101,7 +101,7 @@ def next_batch(state: SchedulerState, pending: Pending, policy, log: StepLog) ->
         log.admit_step[request.index] = state.num_steps
         if policy.reserves_whole_length:
             state.reserve(request)
-    return decision, state.batch(decision)
+    return decision, state.batch(decision, policy.pads_finished)
 
 
 def wait(state: SchedulerState, pending: Pending, decision: Decision, policy) -> None:
@@ -170,9 +170,11 @@ def idle_until(state: SchedulerState, pending: Pending, decision: Decision, poli
 @dataclass(slots=True)
 class Steps:
     """What a run of `count` identical steps did, for the log: who worked in which slot, the
-    queue, and the requests whose prefill chunks ran, whose first token came, or who finished."""
+    finished rows computed as padding, the queue, and the requests whose prefill chunks ran,
+    whose first token came, or who finished."""
 
     row: list[int]
+    num_padded: int
     count: int
     num_queued: int
     blocked: str
@@ -205,14 +207,14 @@ def describe_step(state: SchedulerState, batch: Batch, decision: Decision) -> St
             if emits and not request.num_generated:
                 first_tokens.append(request.index)
     num_blocks_used = state.blocks.num_blocks - state.blocks.num_free_blocks if state.blocks is not None else 0
-    return Steps(row, 1, len(state.waiting), decision.blocked, state.now, num_emitted, num_blocks_used,
+    return Steps(row, len(batch.padding), 1, len(state.waiting), decision.blocked, state.now, num_emitted, num_blocks_used,
                  state.num_steps, prefills, first_tokens, [])
 
 
 def log_steps(log: StepLog, steps: Steps, start: float, seconds, arrivals: np.ndarray | None = None) -> None:
     """Write `steps` into the log, starting at `start` and lasting `seconds` each (or a RunSeconds)."""
     log.append(steps.row, steps.count, steps.num_queued, steps.blocked, start, seconds, steps.num_emitted,
-               steps.num_blocks_used, arrivals)
+               steps.num_blocks_used, arrivals, steps.num_padded)
     if steps.prefills:
         log.mark_prefills(steps.first_step, steps.prefills)
     for index in steps.first_tokens:

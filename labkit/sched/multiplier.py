@@ -3,30 +3,34 @@ taken apart into a product of factors, each the ratio of two runs that differ in
 
 Every run serves the same trace within the same KV memory (`Memory`): a pool of
 `pool_tokens`, in which a system without paging reserves `reserve_tokens` for every
-request, so it runs at most B0 = pool_tokens // reserve_tokens at once. The runs:
+request, so it holds at most B = pool_tokens // reserve_tokens at once. The baseline ran a
+static batch of B0 <= B (B0 = B unless `baseline_slots` says otherwise). The runs:
 
-    baselines    older implementations running the static schedule (e.g. transformers' generate)
+    baselines    older implementations running the static schedule at B0 (e.g. transformers' generate)
     static       Static(B0) on the implementation under test
-    continuous   Continuous(B0): the same slots and memory, refilled before every step
+    full static  Static(B): the batch the reserved pool allows; only when B0 < B
+    continuous   Continuous(B): the same slots and memory, refilled before every step
     paged        Continuous with a paged pool: as many requests as the pool's blocks hold
 
 Every run produces the same useful tokens, so a throughput ratio is a ratio of durations,
 and the headline (baseline's duration / paged's duration) telescopes into:
 
     implementation  duration(baseline) / duration(static): one schedule, two implementations
-    refill          steps(static) / steps(continuous): the slot-steps lesson 02's theory predicts
+    baseline batch  steps(static) / steps(full static): the baseline's batch below what its
+                    memory allows; left out (1) when B0 = B
+    refill          steps(full static) / steps(continuous): the slot-steps lesson 02's theory predicts
     memory          steps(continuous) / steps(paged): more requests per step in the same pool
     step cost       (s/step of static) / (s/step of paged): what is left, the price of the
-                    fuller steps (more tokens, prompts mixed in, longer contexts read)
+                    fuller steps (more rows, prompts mixed in, longer contexts read)
 
 Invariants:
 
 - the product of the factors equals the total, up to float rounding, by construction;
-- refill and memory count steps, so on any back end they equal `simulate`'s for the
-  same policies; implementation and step cost are the only factors a clock decides;
+- baseline batch, refill and memory count steps, so on any back end they equal `simulate`'s
+  for the same policies; implementation and step cost are the only factors a clock decides;
 - with every step priced the same (`simulate`'s `step_time`), step cost is 1, up to rounding;
 - the paged pool holds whole blocks, at least one request of `reserve_tokens`, so every
-  request that `check_fits` passes runs on all three schedules.
+  request that `check_fits` passes runs on every schedule.
 """
 
 from __future__ import annotations
@@ -43,7 +47,8 @@ from labkit.sched.policy import Continuous, Static
 from labkit.sched.simulator import simulate
 from labkit.traffic import Trace
 
-KINDS = ("implementation", "refill", "memory", "step cost")
+KINDS = ("implementation", "baseline batch", "refill", "memory", "step cost")
+SCHEDULES = ("static", "full static", "continuous", "paged")  # the runs `Memory.policies` names
 
 
 @dataclass(frozen=True)
@@ -52,9 +57,9 @@ class Memory:
     for a system that reserves a whole sequence up front (the model's longest, say);
     `max_slots` requests at most for the paged system (vLLM's `max_num_seqs`).
 
-    baseline_slots: the static and continuous runs' batch size B0 when something other
-    than memory caps it (a latency target, a benchmark's setting); None: as many requests
-    as the pool holds when each reserves `reserve_tokens`.
+    baseline_slots: the baseline's static batch B0 when something other than memory caps
+    it (a latency target, a benchmark's setting); None: as many requests as the pool holds
+    when each reserves `reserve_tokens`. The continuous run always uses what the pool holds.
     """
 
     pool_tokens: int
@@ -78,28 +83,37 @@ class Memory:
             raise ValueError(f"pool_tokens = {self.pool_tokens}: its {self.num_blocks} whole blocks of block_size = "
                              f"{self.block_size} cannot hold one request of reserve_tokens = {self.reserve_tokens} "
                              f"({need} blocks)")
-        fits = self.pool_tokens // self.reserve_tokens
+        fits = self.num_memory_slots
         if self.baseline_slots is not None and self.baseline_slots > fits:
             raise ValueError(f"baseline_slots = {self.baseline_slots}: the pool holds only {fits} requests of "
                              f"reserve_tokens = {self.reserve_tokens}")
-        if self.max_slots < self.num_reserved_slots:
-            raise ValueError(f"max_slots = {self.max_slots}: fewer than the {self.num_reserved_slots} requests the "
-                             "baseline runs at once; paging would then run fewer at once, not more")
+        if self.max_slots < fits:
+            raise ValueError(f"max_slots = {self.max_slots}: fewer than the {fits} requests the pool holds "
+                             "without paging; paging would then run fewer at once, not more")
 
     @property
     def num_reserved_slots(self) -> int:
-        """B0: requests the static and continuous runs hold at once, each reserving `reserve_tokens`."""
-        return int(self.baseline_slots or self.pool_tokens // self.reserve_tokens)
+        """B0: requests the baseline's static batch holds at once, each reserving `reserve_tokens`."""
+        return int(self.baseline_slots or self.num_memory_slots)
+
+    @property
+    def num_memory_slots(self) -> int:
+        """B: requests the pool holds when each reserves `reserve_tokens`; the continuous run's slots."""
+        return int(self.pool_tokens // self.reserve_tokens)
 
     @property
     def num_blocks(self) -> int:
         return int(self.pool_tokens // self.block_size)
 
     def policies(self) -> dict[str, Static | Continuous]:
-        """The three schedules: static and continuous at B0, and continuous on the paged pool."""
+        """The schedules: static at B0; static at B when B0 < B ("full static"); continuous at
+        B; and continuous on the paged pool."""
+        full = self.num_memory_slots
+        below = {"full static": Static(num_slots=full)} if self.num_reserved_slots < full else {}
         return {
             "static": Static(num_slots=self.num_reserved_slots),
-            "continuous": Continuous(num_slots=self.num_reserved_slots),
+            **below,
+            "continuous": Continuous(num_slots=full),
             "paged": Continuous(num_slots=int(self.max_slots), num_blocks=self.num_blocks,
                                 block_size=int(self.block_size)),
         }
@@ -128,7 +142,8 @@ class Factor:
 
 class Multiplier:
     """A measured or predicted headline and its factors. `runs` maps each run's name to its
-    log, baselines first, then "static", "continuous" and "paged"."""
+    log, baselines first, then "static", "full static" (only when the baseline ran below
+    its memory), "continuous" and "paged"."""
 
     def __init__(self, runs: dict, factors: tuple[Factor, ...]):
         self.runs, self.factors = runs, factors
@@ -143,7 +158,8 @@ class Multiplier:
         return self.factor_table() + "\n\n" + self.run_table()
 
     def factor(self, kind: str) -> float:
-        """The product of the factors of one kind (implementation may have several)."""
+        """The product of the factors of one kind (implementation may have several; a kind
+        with none, such as baseline batch when B0 = B, is 1)."""
         if kind not in KINDS:
             raise ValueError(f"kind = {kind!r}: choose one of {KINDS}")
         return math.prod(f.value for f in self.factors if f.kind == kind)
@@ -187,8 +203,8 @@ def take_apart(trace: Trace, memory: Memory, run: Callable, baselines: dict[str,
     memory.check_fits(trace)
     policies = memory.policies()
     runs = {name: serve(trace, policies["static"]) for name, serve in (baselines or {}).items()}
-    if set(runs) & set(policies):
-        raise ValueError(f"baselines = {list(runs)}: {sorted(set(runs) & set(policies))} names a schedule's run")
+    if set(runs) & set(SCHEDULES):
+        raise ValueError(f"baselines = {list(runs)}: {sorted(set(runs) & set(SCHEDULES))} names a schedule's run")
     runs.update({name: run(trace, policy) for name, policy in policies.items()})
     _check_runs(trace, runs)
     return Multiplier(runs, _factors(runs, name))
@@ -208,23 +224,28 @@ def _check_runs(trace: Trace, runs: dict) -> None:
         if log.num_tokens != expected:
             raise ValueError(f"run {name!r} served {log.num_tokens} tokens, not the trace's {expected}")
         steps = getattr(log, "num_steps", runs["static"].num_steps)
-        if name not in ("continuous", "paged") and steps != runs["static"].num_steps:
+        if name not in ("full static", "continuous", "paged") and steps != runs["static"].num_steps:
             raise ValueError(f"baseline {name!r} ran {steps} steps, static {runs['static'].num_steps}: "
                              "an implementation factor needs the same schedule")
 
 
 def _factors(runs: dict, name: str) -> tuple[Factor, ...]:
-    """Implementation per pair of successive static runs, then refill, memory and step cost."""
+    """Implementation per pair of successive static runs, then baseline batch (when the
+    baseline ran below its memory), refill, memory and step cost."""
     static, continuous, paged = runs["static"], runs["continuous"], runs["paged"]
+    full = runs.get("full static", static)
     names = list(runs)[: list(runs).index("static") + 1]
     implementation = tuple(
         Factor("implementation", f"{old} → {name if new == 'static' else new}", runs[old].duration / runs[new].duration,
                f"{_seconds(runs[old].duration)} / {_seconds(runs[new].duration)}")
         for old, new in zip(names, names[1:]))
     per_step = {name: log.duration / log.num_steps for name, log in (("static", static), ("paged", paged))}
-    return implementation + (
-        Factor("refill", "refill", static.num_steps / continuous.num_steps,
-               f"{static.num_steps:,} / {continuous.num_steps:,} steps"),
+    below = () if full is static else (
+        Factor("baseline batch", "baseline batch", static.num_steps / full.num_steps,
+               f"{static.num_steps:,} / {full.num_steps:,} steps"),)
+    return implementation + below + (
+        Factor("refill", "refill", full.num_steps / continuous.num_steps,
+               f"{full.num_steps:,} / {continuous.num_steps:,} steps"),
         Factor("memory", "memory", continuous.num_steps / paged.num_steps,
                f"{continuous.num_steps:,} / {paged.num_steps:,} steps"),
         Factor("step cost", "step cost", per_step["static"] / per_step["paged"],

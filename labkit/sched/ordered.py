@@ -1,8 +1,12 @@
 """Two policies that admit out of arrival order: `Continuous`, with the waiting queue sorted
 another way.
 
-- `Priority` serves lower `priority` values first, as vLLM's priority scheduling does,
-  and lets the head of the queue push lower-priority running requests out.
+- `Priority` serves lower `priority` values first, as vLLM's priority scheduling does.
+  By default the first waiting request it cannot admit pushes lower-priority running
+  requests out, as vLLM's V0 scheduler did (`_schedule_priority_preemption` in
+  `vllm/core/scheduler.py`, PR #5958); with `preempt_for_waiting=False` a waiting request
+  only waits, and preemption happens only when a running request runs out of blocks, as
+  in vLLM's V1 scheduler (`Scheduler.schedule` in `vllm/v1/core/sched/scheduler.py`).
 - `ShortestPredictedFirst` admits the shortest predicted output first. A perfect
   predictor knows each output length; a noisy one is off by a factor e^(noise * z).
 
@@ -13,9 +17,9 @@ Invariants:
   depends only on the state, as `labkit.sched.policy` requires;
 - neither `admits_in_order`: an arrival may go straight to the head of the queue, so for
   the fast-forward every arrival is an event;
-- `Priority` preempts for the first waiting request it cannot admit, and only when that
-  gives it a slot and its blocks beside those admitted before it, and never a request of
-  its priority or higher. During a run of decode steps that request stays first, the
+- `Priority` (unless `preempt_for_waiting=False`) preempts for the first waiting request
+  it cannot admit, and only when that gives it a slot and its blocks beside those admitted
+  before it, and never a request of its priority or higher. During a run of decode steps that request stays first, the
   free slots stay, and the free blocks plus those of lower-priority requests only
   shrink: so if it could not make room at the run's start, it cannot at any step of it.
 """
@@ -33,12 +37,23 @@ from labkit.sched.state import Request, SchedulerState
 
 @dataclass(frozen=True, repr=False)
 class Priority(Continuous):
-    """Continuous batching by priority: lower `priority` first, then first come. When the
-    head of the queue has no slot or no blocks, running requests of lower priority are
-    preempted to make room, lowest priority and newest first; and a running request that
-    runs out of blocks preempts the lowest-priority one."""
+    """Continuous batching by priority: lower `priority` first, then first come. A running
+    request that runs out of blocks preempts the lowest-priority one. With
+    `preempt_for_waiting` (the default, vLLM V0), when the first waiting request it cannot
+    admit has no slot or no blocks, running requests of lower priority are preempted to
+    make room, lowest priority and newest first; without it (vLLM V1), it waits."""
 
+    preempt_for_waiting: bool = field(default=True, kw_only=True)
     admits_in_order = False
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not isinstance(self.preempt_for_waiting, bool):
+            raise ValueError(f"preempt_for_waiting = {self.preempt_for_waiting!r}: must be True or False")
+
+    @property
+    def may_preempt(self) -> bool:
+        return self.preempt_for_waiting or super().may_preempt
 
     def queue_order(self, request: Request) -> int:
         return request.priority
@@ -49,7 +64,7 @@ class Priority(Continuous):
     def schedule(self, state: SchedulerState) -> Decision:
         plan = StepPlan(state, self.max_tokens_per_step)
         decision = self.fill(plan)
-        if decision.blocked in (NO_SLOT, NO_BLOCKS) and not decision.preempt:
+        if self.preempt_for_waiting and decision.blocked in (NO_SLOT, NO_BLOCKS) and not decision.preempt:
             victims = self.victims_for(plan, state.waiting[len(plan.admitted)])
             if victims:  # decide again, with them out: a preempting step admits nobody
                 room = StepPlan(state, self.max_tokens_per_step)
@@ -62,7 +77,7 @@ class Priority(Continuous):
         """Lower-priority running requests whose slots and blocks would let `head` in beside
         those `plan` admits before it, lowest priority and newest first; none if all would not."""
         lower = [r for r in plan.state.running() if r.priority > head.priority]
-        num_new_blocks = plan.state.num_new_blocks(head, head.num_uncomputed)
+        num_new_blocks = self.blocks_to_admit(plan.state, head, head.num_uncomputed)
         victims, slots, blocks = [], plan.free_slots, plan.free_blocks
         while lower and not (slots and blocks >= num_new_blocks):
             victim = self.choose_victim(lower)

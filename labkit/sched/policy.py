@@ -14,7 +14,12 @@ Knobs, and the vLLM setting each one plays:
 - `chunked_prefill` (Continuous): whether a prompt may be split over steps
   (`enable_chunked_prefill`);
 - `victim` (Continuous): which running request is preempted when blocks run out:
-  "newest" (as vLLM does) or "longest" (the one holding the most cache).
+  "newest" (as vLLM does) or "longest" (the one holding the most cache);
+- `reserve` (Continuous): "on_demand" takes a block when a request's tokens fill the last
+  one (vLLM's paging); "whole" takes every block of its whole length at admission, as
+  Orca's continuous batching did (and as static batching always does);
+- `drop_finished` (Static): whether a finished request that keeps its slot stops computing
+  its row (by default it computes one padded token a step, as Hugging Face's `generate` does).
 
 Invariant every policy keeps: its decision depends only on who waits, who holds which
 slot, how far each request has got, the free blocks, and the clock compared with the
@@ -44,6 +49,7 @@ NO_BLOCKS = "no_blocks"
 NO_BUDGET = "no_budget"
 BATCH_FORMING = "batch_forming"
 VICTIMS = ("newest", "longest")
+RESERVES = ("on_demand", "whole")
 HEAD_BLOCKED = (NO_SLOT, NO_BLOCKS, NO_BUDGET)  # reasons the head of the queue waits that no arrival lifts
 _ADMITTED_ORDER = attrgetter("admitted_order")
 
@@ -70,7 +76,9 @@ class Decision:
     wake_at: float | None = None
 
 
-POLICY_ATTRIBUTES = ("num_slots", "num_blocks", "block_size", "reserves_whole_length", "check_fits", "schedule")
+POLICY_ATTRIBUTES = (
+    "num_slots", "num_blocks", "block_size", "reserves_whole_length", "pads_finished", "check_fits", "schedule",
+)
 
 
 def check_policy(policy) -> None:
@@ -110,6 +118,7 @@ class _Policy:
     num_blocks: int | None = field(default=None, kw_only=True)
     block_size: int = field(default=16, kw_only=True)
     reserves_whole_length = False  # whether admission takes every block a request will need
+    pads_finished = False  # whether a finished request that holds its slot still computes a row each step
     admits_in_order = True  # FCFS: while the head of the queue is blocked, arrivals change nothing
     queue_order = None  # the waiting queue's sort key, a function of a request; None: first come, first served
 
@@ -135,11 +144,14 @@ class Continuous(_Policy):
     """Iteration-level scheduling: before every step, finished requests leave, running
     requests are scheduled first (one token per decode), oldest first, and waiting
     requests join the free slots, in queue order, while slots, blocks and token budget
-    last. When a running request cannot get a block, the `victim` is preempted."""
+    last. When a running request cannot get a block, the `victim` is preempted.
+    With `reserve="whole"` a request takes the blocks of its whole length when admitted,
+    so none ever runs out of blocks and nobody is preempted."""
 
     max_tokens_per_step: int | None = field(default=None, kw_only=True)
     chunked_prefill: bool = field(default=False, kw_only=True)
     victim: str = field(default="newest", kw_only=True)
+    reserve: str = field(default="on_demand", kw_only=True)
 
     def __post_init__(self):
         super().__post_init__()
@@ -148,12 +160,23 @@ class Continuous(_Policy):
             raise ValueError(f"chunked_prefill = {self.chunked_prefill!r}: must be True or False")
         if self.victim not in VICTIMS:
             raise ValueError(f"victim = {self.victim!r}: choose one of {VICTIMS}")
+        if self.reserve not in RESERVES:
+            raise ValueError(f"reserve = {self.reserve!r}: choose one of {RESERVES}")
+
+    @property
+    def reserves_whole_length(self) -> bool:
+        return self.reserve == "whole"
+
+    @property
+    def may_preempt(self) -> bool:
+        """Whether a running request can be pushed out and later recompute its whole context."""
+        return self.num_blocks is not None
 
     def check_fits(self, request: Request) -> None:
         super().check_fits(request)
-        longest_prefill = request.max_context_len if self.num_blocks is not None else request.num_prompt_tokens
+        longest_prefill = request.max_context_len if self.may_preempt else request.num_prompt_tokens
         if not self.chunked_prefill and self.max_tokens_per_step is not None and longest_prefill > self.max_tokens_per_step:
-            what = "prompt plus outputs to recompute after a preemption" if self.num_blocks is not None else "prompt"
+            what = "prompt plus outputs to recompute after a preemption" if self.may_preempt else "prompt"
             raise ValueError(
                 f"request {request.id}: its {what} can take {longest_prefill} tokens in one step, more than "
                 f"max_tokens_per_step = {self.max_tokens_per_step}; allow chunked_prefill=True or raise the budget"
@@ -199,11 +222,18 @@ class Continuous(_Policy):
             num_tokens = plan.tokens_for(request, self.chunked_prefill)
             if not num_tokens:
                 return NO_BUDGET
-            num_new_blocks = plan.state.num_new_blocks(request, num_tokens)
+            num_new_blocks = self.blocks_to_admit(plan.state, request, num_tokens)
             if num_new_blocks > plan.free_blocks:
                 return NO_BLOCKS
             plan.admit(request, num_tokens, num_new_blocks)
         return ""
+
+    def blocks_to_admit(self, state: SchedulerState, request: Request, num_tokens: int) -> int:
+        """Blocks a waiting request takes when admitted: those its first `num_tokens` fill, or,
+        reserving its whole length, every block it will ever need."""
+        if self.reserves_whole_length and state.blocks is not None:
+            return state.blocks.num_blocks_for(request.max_context_len)
+        return state.num_new_blocks(request, num_tokens)
 
 
 class StepPlan:
@@ -269,13 +299,24 @@ class Static(_Policy):
     request reserves the blocks for its whole length up front, as systems did before
     paging, so a batch never runs out of memory mid-way.
 
-    drop_finished: whether an engine skips a finished request's row. By default it
-    still computes it, padded, as Hugging Face's `generate` does; slot occupancy (and so
-    the simulator) is the same either way, only the engine's wall clock differs.
+    drop_finished: whether a finished request's row is skipped. By default it still
+    computes one token a step at its last position, thrown away, as Hugging Face's
+    `generate` does: the engine runs that row and the simulator prices it. Slot occupancy
+    and utilization are the same either way (a padded row is no useful slot-step); only
+    the work in a step, and so its time, differs.
     """
 
     drop_finished: bool = field(default=False, kw_only=True)
     reserves_whole_length = True
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not isinstance(self.drop_finished, bool):
+            raise ValueError(f"drop_finished = {self.drop_finished!r}: must be True or False")
+
+    @property
+    def pads_finished(self) -> bool:
+        return not self.drop_finished
 
     def schedule(self, state: SchedulerState) -> Decision:
         if state.running():

@@ -1,7 +1,7 @@
 """The step simulator: the "predict" back end.
 
 A step lasts `step_time` seconds, or, given a `CostModel`, as long as the model says for
-the work in it (prompt tokens, decode tokens, KV tokens read, requests scheduled), on the
+the work in it (prompt tokens, decode tokens, KV tokens read, rows computed), on the
 device and on the host, taking turns or overlapped; the log then splits each step into
 the model's host and device seconds. The simulator computes
 nothing per step: `drive` (labkit.sched.driver) runs each decision until the next event
@@ -54,7 +54,9 @@ class ModeledStepTime:
 
     Over a run of steps the first processes each request's scheduled tokens and the rest
     are plain decodes, so the KV tokens read grow by one per request and step: the cost
-    model prices the rest as one decode run, in closed form.
+    model prices the rest as one decode run, in closed form. A batch's padded rows (static
+    batching's finished requests) are priced in every step, at their frozen contexts, as the
+    engine computes them.
     """
 
     cost: CostModel
@@ -64,19 +66,20 @@ class ModeledStepTime:
         if seconds <= first or max_steps == 1:
             return 1
         after_first = batch.work().num_kv_tokens + batch.size
-        return 1 + self.cost.decode_run_length(batch.size, after_first, seconds - first, max_steps - 1)
+        return 1 + self.cost.decode_run_length(batch.size, after_first, seconds - first, max_steps - 1,
+                                               len(batch.padding))
 
     def execute(self, state: SchedulerState, batch: Batch, log: StepLog, num_steps: int = 1) -> float | RunSeconds:
         log.record_kv_tokens(batch.work().num_kv_tokens, num_steps, batch.size)
         first = self._first_step_seconds(batch)
         if num_steps == 1:
             return first
-        rest = (batch.size, batch.work().num_kv_tokens + batch.size, num_steps - 1)  # a decode run after the first step
+        rest = (batch.size, batch.work().num_kv_tokens + batch.size, num_steps - 1, len(batch.padding))  # decodes after the first
         per_step = partial(_prepend, first, partial(self.cost.decode_run_seconds, *rest))
         return RunSeconds(first + self.cost.decode_run_total(*rest), per_step)
 
     def _first_step_seconds(self, batch: Batch) -> float:
-        return self.cost.step_seconds(*batch.work(), batch.size)
+        return self.cost.step_seconds(*batch.work(), batch.num_rows)
 
 
 def _prepend(first: float, rest: Callable[[], np.ndarray]) -> np.ndarray:

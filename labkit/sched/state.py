@@ -130,8 +130,8 @@ class SortedQueue:
 
 
 class StepWork(NamedTuple):
-    """What one step computes: prompt tokens (prompts, chunks, recomputes), decode tokens, and
-    the KV tokens in cache after it, which attention reads."""
+    """What one step computes: prompt tokens (prompts, chunks, recomputes), decode tokens (a
+    padded row's one token included), and the KV tokens in cache after it, which attention reads."""
 
     num_prefill_tokens: int
     num_decode_tokens: int
@@ -139,14 +139,22 @@ class StepWork(NamedTuple):
 
 
 class Batch:
-    """Who works in one step: `rows` of (request, tokens it processes), in slot order."""
+    """Who works in one step: `rows` of (request, tokens it processes), in slot order, and
+    `padding`, finished requests that still compute a row (static batching's, by default):
+    each feeds its last token again, at its own frozen context, and its output is thrown away."""
 
-    __slots__ = ("rows", "size", "_work")
+    __slots__ = ("rows", "size", "padding", "_work")
 
-    def __init__(self, rows: list[tuple[Request, int]]):
+    def __init__(self, rows: list[tuple[Request, int]], padding: list[Request] = ()):
         self.rows = rows
         self.size = len(rows)
+        self.padding = list(padding)
         self._work: StepWork | None = None
+
+    @property
+    def num_rows(self) -> int:
+        """Rows the step computes: the scheduled requests and the padding."""
+        return self.size + len(self.padding)
 
     def work(self) -> StepWork:
         """The step's work, counted when first asked for (a back end that prices it asks)."""
@@ -158,6 +166,8 @@ class Batch:
                 else:
                     num_prefill_tokens += num_tokens
                 num_kv_tokens += request.num_computed + num_tokens
+            num_decode_tokens += len(self.padding)  # one token each, at the position it last computed
+            num_kv_tokens += sum(request.num_computed for request in self.padding)
             self._work = StepWork(num_prefill_tokens, num_decode_tokens, num_kv_tokens)
         return self._work
 
@@ -224,8 +234,9 @@ class SchedulerState:
             self._admit(request)
         return admitted
 
-    def batch(self, decision: Decision) -> Batch:
-        """Who works in the step `decision` schedules (applied already), with how many tokens."""
+    def batch(self, decision: Decision, pad_finished: bool = False) -> Batch:
+        """Who works in the step `decision` schedules (applied already), with how many tokens;
+        with `pad_finished`, the finished requests that hold slots compute padded rows."""
         given = decision.num_tokens
         rows = []
         for request in self.slots:
@@ -233,7 +244,7 @@ class SchedulerState:
                 num_tokens = request.num_uncomputed if given is None else given.get(request.id, 0)
                 if num_tokens:
                     rows.append((request, num_tokens))
-        return Batch(rows)
+        return Batch(rows, self.finished_in_slots() if pad_finished and rows else ())
 
     def add(self, request: Request) -> None:
         """A request that arrives while the engine runs joins the queue (an online server's

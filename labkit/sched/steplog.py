@@ -20,6 +20,10 @@ Invariants:
   means "not yet";
 - `prefill_tokens[s, k]` is how many prompt tokens slot k processed at step s (0 for a
   decode step or an idle slot);
+- `num_padded_rows[s]` counts the finished requests that still computed a row at step s
+  (static batching's padding): their slots are idle in `slots` and in utilization, since
+  they emit nothing useful, but the step's work (`num_decode_tokens`, `num_kv_tokens`,
+  `num_rows`) counts them, because the step computes them;
 - an engine also fills `outputs` (request id -> generated token ids), `phase_seconds`
   (where each measured step's time went) and `lanes` (wall-clock stretches of host and
   device work); a simulation leaves them empty;
@@ -72,6 +76,7 @@ class _Segment(NamedTuple):
     num_emitted: int
     num_blocks_used: int | np.ndarray | Callable[[], np.ndarray]
     arrivals: np.ndarray | None  # arrival times of requests that join the queue during the steps
+    num_padded: int  # finished rows computed as padding in each step
 
 
 class RequestTimes:
@@ -124,14 +129,16 @@ class StepLog(RequestTimes):
 
     # Writing (back ends only)
 
-    def append(self, row, count, num_queued, blocked, start, seconds, num_emitted, num_blocks_used=0, arrivals=None) -> None:
+    def append(self, row, count, num_queued, blocked, start, seconds, num_emitted, num_blocks_used=0, arrivals=None,
+               num_padded=0) -> None:
         """Record `count` identical steps: who works in which slot, queue depth, why the head
         waits, start time, seconds, output tokens emitted per step, and KV blocks held (a number,
         one per step, or a function that gives one per step when the log is read). `arrivals`:
         arrival times of requests that join the queue during these steps, each from the first
-        step that starts at or after it (`num_queued` is the depth at the first step)."""
+        step that starts at or after it (`num_queued` is the depth at the first step).
+        `num_padded`: finished rows each step computes as padding."""
         self._segments.append(
-            _Segment(row, count, num_queued, blocked, start, seconds, num_emitted, num_blocks_used, arrivals)
+            _Segment(row, count, num_queued, blocked, start, seconds, num_emitted, num_blocks_used, arrivals, num_padded)
         )
         self.num_steps += count
         self.num_tokens += count * num_emitted
@@ -180,9 +187,15 @@ class StepLog(RequestTimes):
         return np.concatenate([first + growth * np.arange(count) for first, count, growth in self._kv_tokens])
 
     @property
-    def num_requests(self) -> np.ndarray:
-        """int [num_steps]: requests scheduled in the step."""
-        return (self.slots >= 0).sum(axis=1)
+    def num_rows(self) -> np.ndarray:
+        """int [num_steps]: rows the step computes: the requests scheduled, and finished ones
+        computed as padding."""
+        return (self.slots >= 0).sum(axis=1) + self.num_padded_rows
+
+    @_per_step_array
+    def num_padded_rows(self) -> np.ndarray:
+        """int [num_steps]: finished requests that still computed a row (static batching's padding)."""
+        return self._per_step("num_padded", np.int64)
 
     @property
     def has_host_time(self) -> bool:
@@ -218,7 +231,7 @@ class StepLog(RequestTimes):
             raise ValueError("this log has no host and device time: an engine measures them, "
                              "and simulate(cost=...) prices them")
         num_tokens = self.num_prefill_tokens + self.num_decode_tokens
-        return (self.cost.host_seconds(self.num_requests, num_tokens),
+        return (self.cost.host_seconds(self.num_rows, num_tokens),
                 self.cost.device_seconds(self.num_prefill_tokens, self.num_decode_tokens, self.num_kv_tokens))
 
     @_per_step_array
@@ -276,8 +289,9 @@ class StepLog(RequestTimes):
 
     @property
     def num_decode_tokens(self) -> np.ndarray:
-        """int [num_steps]: decode tokens processed in the step, one per decoding request."""
-        return (self.slots >= 0).sum(axis=1) - (self.prefill_tokens > 0).sum(axis=1)
+        """int [num_steps]: decode tokens processed in the step, one per decoding request and
+        one per padded row."""
+        return self.num_rows - (self.prefill_tokens > 0).sum(axis=1)
 
     @_per_step_array
     def step_seconds(self) -> np.ndarray:

@@ -76,8 +76,8 @@ class NoRecord:
 class OnlineSteps(TorchSteps):
     """The engine's steps for requests that carry their own prompt ids."""
 
-    def __init__(self, engine: Engine, cache: PagedKVCache, policy, graphs: DecodeGraphs | None):
-        super().__init__(engine, cache, policy, trace=None, graphs=graphs, progress=tqdm(disable=True))
+    def __init__(self, engine: Engine, cache: PagedKVCache, graphs: DecodeGraphs | None):
+        super().__init__(engine, cache, trace=None, graphs=graphs, progress=tqdm(disable=True))
         self.prompts: dict[int, list[int]] = {}  # request index -> BOS and prompt ids
 
     def prompt(self, index: int) -> list[int]:
@@ -94,7 +94,7 @@ class OnlineEngine:
         self.blocks = BlockPool(policy.num_blocks or policy.num_slots * max_blocks, policy.block_size)
         cache = PagedKVCache(engine.config, self.blocks.num_blocks, policy.block_size, engine.device, engine.dtype)
         graphs = DecodeGraphs(engine.model, cache) if engine.cuda_graphs else None
-        self.steps = OnlineSteps(engine, cache, policy, graphs)
+        self.steps = OnlineSteps(engine, cache, graphs)
         self.state = SchedulerState(policy.num_slots, [], self.blocks, getattr(policy, "queue_order", None))
         self.start = time.perf_counter()
         self.step_sizes: list[int] = []  # requests scheduled in each step, for the record
@@ -200,7 +200,7 @@ class OnlineEngine:
         for index in decision.release:  # finished, and out of their slots: nothing more to keep
             del self.state.by_id[index]
             self._drop_tokens(index)
-        return decision, self.state.batch(decision)
+        return decision, self.state.batch(decision, self.policy.pads_finished)
 
     def _step(self, batch) -> None:
         self.state.allocate(batch)

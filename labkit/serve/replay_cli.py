@@ -96,7 +96,7 @@ def replay_command(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
 
 def predicted_beside(trace: lk.Trace, args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
     """{"predicted": a simulation of `trace`} when --slots asks for one, else {}. The cost model is
-    fitted to TinyGPT serving the same trace on this machine (lesson 05)."""
+    fitted to TinyGPT serving the same trace on this machine (lesson 06)."""
     if args.slots is None:
         return {}
     from labkit.engine import Engine

@@ -19,7 +19,7 @@ import plotly.graph_objects as go
 from labkit.sched.multiplier import KINDS, Multiplier
 from labkit.viz.figures import GRID
 
-KIND_COLORS = dict(zip(KINDS, ("#4C78A8", "#54A24B", "#B279A2", "#E45756")))
+KIND_COLORS = dict(zip(KINDS, ("#4C78A8", "#72B7B2", "#54A24B", "#B279A2", "#E45756")))
 TOTAL_COLOR, PUBLISHED_COLOR = "#555555", "#F58518"
 
 
