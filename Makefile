@@ -34,6 +34,8 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/bench_simulate.py
 	$(PY) benchmarks/bench_engine.py
+	$(PY) benchmarks/fit_engine_cost.py
+	$(PY) benchmarks/bench_twin.py
 	$(PY) benchmarks/bench_peers.py
 	$(PY) benchmarks/bench_host.py
 	$(PY) benchmarks/bench_multiplier.py

@@ -1,6 +1,6 @@
 """Write the student edition of every lesson: notebooks/ from the instructor copies in solutions/.
 
-Usage: python tools/make_student.py [solutions/06_exercises.ipynb ...]   (default: every lesson)
+Usage: python tools/make_student.py [solutions/07_exercises.ipynb ...]   (default: every lesson)
 
 What a learner opens (`make lab`, Binder, a clone) is notebooks/: the lessons with every
 exercise unsolved. The instructor copies in solutions/ are the ones that get edited and
@@ -9,9 +9,10 @@ committed copies are exactly what it writes.
 
 In code cells, each region from a `### BEGIN SOLUTION` line to a `### END SOLUTION` line
 (markers on their own lines, as nbgrader writes them) is removed with its markers, so the
-stub before it (`answer = None`) is what the student starts from, and that cell's output
-and execution count are cleared: it would show the answer. Every other cell keeps its
-output, so a lesson reads with its figures before anything runs. Widget state is dropped.
+stub before it (`answer = None`) is what the student starts from. Every code cell's output
+and execution count are cleared: a learner predicts, then runs the cell, and an output
+saved in the copy would answer the prediction before it is made. The instructor copies
+keep their outputs, for teachers and for reading online. Widget state is dropped.
 """
 
 import copy
@@ -50,11 +51,10 @@ def has_solutions(notebook) -> bool:
 
 
 def student_copy(notebook):
-    """A copy of `notebook` without solution regions, the outputs of the cells that held
-    them, or widget state."""
+    """A copy of `notebook` without solution regions, code outputs or widget state."""
     student = copy.deepcopy(notebook)
     for index, cell in enumerate(student.cells):
-        if cell.cell_type != "code" or BEGIN not in cell.source:
+        if cell.cell_type != "code":
             continue
         try:
             cell.source = strip_solutions(cell.source)
