@@ -97,3 +97,25 @@ def generate_static(model, prompts: list[list[int]], trace: Trace, batch_size: i
             tokens_at.append(step_times[:length])
             outputs[int(trace.ids[first + row])] = tokens[row, width : width + length].tolist()
     return GenerateLog(trace, tokens_at, outputs, num_steps)
+
+
+def byte_level_tokenizer():
+    """A Hugging Face fast tokenizer with `labkit.serve.tokenizer`'s ids: UTF-8 byte b is id
+    b + 1, id 0 is the begin-of-sequence token "<s>", and no merges."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    vocab = {"<s>": 0, **{char: byte + 1 for byte, char in bytes_to_unicode().items()}}
+    core = Tokenizer(models.BPE(vocab, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>")
+
+
+def save_llama_dir(directory, config, seed: int = 0) -> None:
+    """Write a local Hugging Face model directory: `transformers_llama(config, seed)`'s weights
+    (safetensors), its config.json and the byte-level tokenizer. Any server that loads a
+    Llama directory (`labkit serve DIR`, `transformers serve DIR`) then serves the same weights."""
+    transformers_llama(config, seed).save_pretrained(directory)
+    byte_level_tokenizer().save_pretrained(directory)
