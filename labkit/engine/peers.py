@@ -101,8 +101,9 @@ def generate_static(model, prompts: list[list[int]], trace: Trace, batch_size: i
 
 def byte_level_tokenizer():
     """A Hugging Face fast tokenizer with `labkit.serve.tokenizer`'s ids: UTF-8 byte b is id
-    b + 1, id 0 is the begin-of-sequence token "<s>", and no merges."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    b + 1, id 0 is the begin-of-sequence token "<s>", which encoding puts first as labkit's
+    engine does, and no merges."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
@@ -110,6 +111,7 @@ def byte_level_tokenizer():
     core = Tokenizer(models.BPE(vocab, merges=[]))
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     core.decoder = decoders.ByteLevel()
+    core.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
     return PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>")
 
 
