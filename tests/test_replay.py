@@ -1,15 +1,19 @@
 """lk.replay against a stand-in server on the loopback: tokens, times, concurrency, scraping,
-failures of every kind, Ctrl-C, a running event loop, and the `labkit replay` command.
+failures of every kind, the fallbacks for a server that refuses vLLM's extensions or token-id
+prompts, text prompts of an exact length, Ctrl-C, a running event loop, and the `labkit replay`
+command. (tests/test_replay_transformers_serve.py replays against a real server that refuses them.)
 
 The stand-in follows the server contract (a chunk per token, token ids counting up from 0, a
 usage chunk, [DONE], /metrics with vLLM's gauges) and misbehaves on request: each test picks
-which output lengths get an HTTP 500, a dropped stream or a short answer.
+which output lengths get an HTTP 500, a dropped stream or a short answer, and which fields or
+prompts it refuses as `transformers serve` does.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import signal
 import socket
@@ -27,7 +31,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 import labkit as lk
 from labkit.sched import metrics
-from labkit.serve.replay import ScrapedSeries, parse_metrics, prompt_ids, replay
+from labkit.serve.replay import (PromptTexts, ScrapedSeries, byte_text, parse_metrics, plain_pieces, prompt_ids,
+                                 refusals, replay, text_of_length)
 from labkit.serve.replay_cli import add_replay_parser, replay_command
 
 MODEL = "stand-in"
@@ -42,10 +47,16 @@ class Behaviour:
     drop: set[int] = field(default_factory=set)  # output lengths whose stream breaks after two tokens
     short: set[int] = field(default_factory=set)  # output lengths answered with one token too few
     no_done: set[int] = field(default_factory=set)  # output lengths whose stream ends without [DONE]
+    cut: set[int] = field(default_factory=set)  # output lengths whose stream ends after two tokens, and that is all
+    blank: set[int] = field(default_factory=set)  # output lengths whose chunks carry neither text nor token ids
     stall: set[int] = field(default_factory=set)  # output lengths whose stream pauses for 1 s after two tokens
     inject: dict[int, str] = field(default_factory=dict)  # output length -> a raw chunk sent after the first token
     text_only: bool = False  # chunks without token_ids
     has_metrics: bool = True
+    foreign_metrics: bool = False  # a /metrics without vLLM's gauges
+    refused_fields: set[str] = field(default_factory=set)  # answered with HTTP 422 when sent, as transformers serve
+    text_prompts_only: bool = False  # token-id prompts answered with HTTP 400, as transformers serve
+    refuse_always: str = ""  # when set, every request is answered with HTTP 422 and this detail
     received: list[tuple[float, dict]] = field(default_factory=list)  # (perf_counter, body) per completion
     streaming: int = 0
     max_streaming: int = 0
@@ -91,6 +102,8 @@ class StandIn:
         async def exposition():
             if not self.behaviour.has_metrics:
                 return PlainTextResponse("Not Found", status_code=404)
+            if self.behaviour.foreign_metrics:
+                return PlainTextResponse("# TYPE sglang:num_running_reqs gauge\nsglang:num_running_reqs 1\n")
             running = self.behaviour.streaming
             return PlainTextResponse(
                 "# TYPE vllm:num_requests_running gauge\n"
@@ -105,12 +118,26 @@ class StandIn:
         async def completions(request: Request):
             body = await request.json()
             self.behaviour.received.append((time.perf_counter(), body))
+            refusal = self.refusal(body)
+            if refusal:
+                return JSONResponse({"detail": refusal[1]}, status_code=refusal[0])
             if body["max_tokens"] in self.behaviour.fail:
                 return JSONResponse({"object": "error", "message": "stand-in failure", "type": "InternalServerError",
                                      "code": 500}, status_code=500)
             return StreamingResponse(self.stream(body["max_tokens"]), media_type="text/event-stream")
 
         return app
+
+    def refusal(self, body: dict) -> tuple[int, str] | None:
+        """(status, detail) as transformers serve refuses a request, or None."""
+        if self.behaviour.refuse_always:
+            return 422, self.behaviour.refuse_always
+        unexpected = sorted(self.behaviour.refused_fields & set(body))
+        if unexpected:
+            return 422, f"Unexpected fields in the request: {unexpected}"
+        if self.behaviour.text_prompts_only and not isinstance(body["prompt"], str):
+            return 400, "prompt must be a string."
+        return None
 
     async def stream(self, max_tokens: int):
         behaviour = self.behaviour
@@ -124,10 +151,14 @@ class StandIn:
                     raise ConnectionAbortedError("the stand-in drops this stream")
                 if k == 2 and max_tokens in behaviour.stall:
                     await asyncio.sleep(1)
+                if k == 2 and max_tokens in behaviour.cut:
+                    return
                 if k == 1 and max_tokens in behaviour.inject:
                     yield f"data: {behaviour.inject[max_tokens]}\n\n"
-                choice = {"index": 0, "text": f" t{k}", "finish_reason": "length" if k == num_sent - 1 else None}
-                if not behaviour.text_only:
+                blank = max_tokens in behaviour.blank
+                choice = {"index": 0, "text": "" if blank else f" t{k}",
+                          "finish_reason": "length" if k == num_sent - 1 else None}
+                if not (behaviour.text_only or blank):
                     choice["token_ids"] = [k]
                 yield _event({"id": "cmpl-0", "object": "text_completion", "created": 0, "model": MODEL,
                               "choices": [choice]})
@@ -268,10 +299,22 @@ def test_the_server_s_gauges_are_scraped_while_the_replay_runs(stand_in):
     assert series.kv_usage.tolist() == (series.running / 10).tolist()
 
 
-def test_a_server_without_metrics_gives_an_empty_series(stand_in):
+def test_a_server_without_metrics_gives_an_empty_series_and_says_so_once(stand_in, capsys):
     stand_in.behaviour.has_metrics = False
     log = replay(lk.Trace.from_lengths([5, 5]), url=stand_in.url, model=MODEL, scrape_interval=0.01, progress=False)
     assert log.failures == [] and len(log.server) == 0 and log.server.running.shape == (0,)
+    note = f"{stand_in.url}/metrics: HTTP 404, so no gauge series (log.server is empty)"
+    assert log.notes == (note,) and log.fallbacks == ()
+    assert capsys.readouterr().err == f"labkit replay: {note}\n"
+
+
+def test_a_metrics_page_without_vllm_s_gauges_gives_an_empty_series_and_says_so(stand_in):
+    stand_in.behaviour.foreign_metrics = True
+    log = replay(lk.Trace.from_lengths([5, 5]), url=stand_in.url, model=MODEL, scrape_interval=0.01, progress=False)
+    assert log.failures == [] and len(log.server) == 0
+    assert log.notes == (f"{stand_in.url}/metrics lacks vLLM's gauges (vllm:num_requests_running, "
+                         f"vllm:num_requests_waiting, vllm:kv_cache_usage_perc) for model '{MODEL}', so no gauge "
+                         "series (log.server is empty)",)
 
 
 def test_parse_metrics_sums_engines_averages_kv_and_keeps_to_the_model():
@@ -326,10 +369,16 @@ def test_a_short_answer_fails(stand_in):
                                 "(does the server honour ignore_eos and min_tokens?)")]
 
 
-def test_a_stream_that_ends_without_done_fails(stand_in):
+def test_a_stream_that_ends_without_done_or_a_finish_reason_fails(stand_in):
+    stand_in.behaviour.cut = {3}
+    log = replay(lk.Trace.from_lengths([2, 3]), url=stand_in.url, model=MODEL, progress=False)
+    assert log.failures == [(1, f"{stand_in.url}: request 1: the stream ended without [DONE] after 2 of 3 tokens")]
+
+
+def test_a_stream_that_gave_its_finish_reason_finishes_without_done_as_transformers_serve_s(stand_in):
     stand_in.behaviour.no_done = {3}
     log = replay(lk.Trace.from_lengths([2, 3]), url=stand_in.url, model=MODEL, progress=False)
-    assert log.failures == [(1, f"{stand_in.url}: request 1: the stream ended without [DONE] after 3 of 3 tokens")]
+    assert log.failures == [] and log.outputs == {0: [0, 1], 1: [0, 1, 2]} and log.num_tokens == 5
 
 
 def test_a_stalled_stream_fails_after_the_read_timeout(stand_in):
@@ -412,6 +461,8 @@ def test_it_runs_where_an_event_loop_already_runs_as_in_jupyter(stand_in):
         ({"requests": True}, r"requests = True"),
         ({"seed": -1}, r"seed = -1: must be a whole number >= 0"),
         ({"vocab_size": 1}, r"vocab_size = 1: must be a whole number >= 2"),
+        ({"tokenizer": "/no/such/dir"}, r"tokenizer = '/no/such/dir': no such directory"),
+        ({"tokenizer": 3}, r"tokenizer = 3: must be a tokenizer directory, a Hugging Face tokenizer or None"),
     ],
 )
 def test_bad_arguments_name_the_field_and_value(changes, error):
@@ -423,6 +474,186 @@ def test_bad_arguments_name_the_field_and_value(changes, error):
 def test_a_trace_that_is_not_a_trace_says_so():
     with pytest.raises(TypeError, match=r"trace = \[2, 3\]: must be a labkit Trace"):
         replay([2, 3], url="http://127.0.0.1:9", model=MODEL)
+
+
+# A server that refuses vLLM's extensions or token-id prompts ------------------------------------
+
+
+def sends_by_length(stand_in: StandIn) -> dict[int, list[dict]]:
+    """Every body the stand-in received, by its max_tokens, in the order it received them."""
+    sends = {}
+    for _, body in stand_in.behaviour.received:
+        sends.setdefault(body["max_tokens"], []).append(body)
+    return sends
+
+
+def test_a_refusal_is_read_from_the_answer_and_only_for_what_the_request_carried():
+    body = {"model": MODEL, "prompt": [5, 6], "max_tokens": 3, "min_tokens": 3, "ignore_eos": True}
+    fields = '{"detail":"Unexpected fields in the request: {\'min_tokens\', \'ignore_eos\'}"}'
+    assert refusals(422, fields, body) == ["no ignore_eos", "no min_tokens"]
+    assert refusals(400, '{"detail":"prompt must be a string."}', body) == ["text prompts"]
+    assert refusals(422, '{"detail":[{"loc":["body","prompt"],"msg":"Input should be a valid string"}]}',
+                    body) == ["text prompts"]  # pydantic's words for it
+    assert refusals(500, fields, body) == []  # only a 400 or a 422 refuses
+    assert refusals(422, '{"detail":"Unexpected fields in the request: {\'priority\'}"}', body) == []  # not sent
+    assert refusals(400, '{"detail":"prompt must be a string."}', {**body, "prompt": "ab"}) == []  # already text
+    assert refusals(400, '{"detail":"The model `x` does not exist."}', body) == []
+
+
+def test_a_server_that_refuses_the_length_fields_and_token_ids_gets_neither_from_then_on(stand_in, capsys):
+    stand_in.behaviour.refused_fields = {"ignore_eos", "min_tokens"}
+    stand_in.behaviour.text_prompts_only = True
+    stand_in.behaviour.short = {5}  # an answer may stop early once ignore_eos and min_tokens are refused
+    lengths, prompt_lengths = [5, 3, 4, 2], [3, 0, 2, 4]
+    log = replay(lk.Trace.from_lengths(lengths, prompt_lengths=prompt_lengths), url=stand_in.url, model=MODEL,
+                 progress=False)  # all four sent at once: a race for the first refusal
+    assert log.failures == []
+    assert log.fallbacks == ("no ignore_eos", "no min_tokens", "text prompts")
+    assert log.notes == (
+        f"{stand_in.url} refused a request (HTTP 422: Unexpected fields in the request: ['ignore_eos', "
+        "'min_tokens']); from now on requests go without ignore_eos and min_tokens; an answer may stop before its "
+        "output length, and counts as it came back, not as a failure",
+        f"{stand_in.url} refused a request (HTTP 400: prompt must be a string.); from now on prompts go as "
+        "labkit's byte-level text, one ASCII byte per prompt token: prompt lengths are approximate unless the "
+        "server's tokenizer is byte-level (tokenizer=, or --tokenizer DIR, makes them exact)",
+    )
+    assert capsys.readouterr().err == "".join(f"labkit replay: {note}\n" for note in log.notes)  # each said once
+    sends = sends_by_length(stand_in)
+    first = sends[5][0]  # the first request sent: before any refusal, as to any server
+    assert first["prompt"] == prompt_ids(0, 3) and first["ignore_eos"] is True and first["min_tokens"] == 5
+    prompts = [byte_text(prompt_ids(i, n)) or " " for i, n in enumerate(prompt_lengths)]  # an empty one: a space
+    assert [sends[n][-1] for n in lengths] == [
+        {"model": MODEL, "prompt": prompt, "max_tokens": n, "stream": True, "stream_options": {"include_usage": True}}
+        for prompt, n in zip(prompts, lengths)]
+    assert all(1 < len(sends[n]) <= 3 for n in lengths)  # refused at most once per fallback, never in a loop
+    # the metrics count what came back: request 0 got 4 of its 5 tokens
+    assert log.asked_lengths.tolist() == lengths and log.trace.output_lengths.tolist() == [4, 3, 4, 2]
+    assert [len(t) for t in log.tokens_at] == [4, 3, 4, 2] and log.num_tokens == 13
+    row = metrics.summary(log)
+    tpot = [(t[-1] - t[0]) / (n - 1) for t, n in zip(log.tokens_at, [4, 3, 4, 2])]
+    assert row["tokens"] == 13 and row["TPOT mean (ms)"] == pytest.approx(1000 * np.mean(tpot), rel=1e-12)
+
+
+def test_with_a_tokenizer_each_text_prompt_is_exactly_its_length_in_its_tokens(stand_in):
+    from labkit.engine.peers import byte_level_tokenizer
+
+    tokenizer = byte_level_tokenizer()
+    stand_in.behaviour.text_prompts_only = True
+    lengths, prompt_lengths = [3, 2, 4], [6, 0, 9]
+    log = replay(lk.Trace.from_lengths(lengths, prompt_lengths=prompt_lengths), url=stand_in.url, model=MODEL,
+                 tokenizer=tokenizer, progress=False)
+    assert log.failures == [] and log.fallbacks == ("text prompts",)
+    assert log.notes == (f"{stand_in.url} refused a request (HTTP 400: prompt must be a string.); from now on "
+                         "prompts go as text of exactly each prompt's length in the tokens of "
+                         f"'{type(tokenizer).__name__}'",)
+    prompts = [sends_by_length(stand_in)[n][-1]["prompt"] for n in lengths]
+    assert [len(tokenizer.encode(p, add_special_tokens=False)) for p in prompts] == [6, 1, 9]  # an empty one: 1
+    assert all("ignore_eos" in sends_by_length(stand_in)[n][-1] for n in lengths)  # lengths still exact
+
+
+def test_a_request_refused_again_without_the_field_fails_with_the_server_s_message(stand_in):
+    stand_in.behaviour.refuse_always = "Unexpected fields in the request: {'ignore_eos'}"
+    log = replay(lk.Trace.from_lengths([2]), url=stand_in.url, model=MODEL, progress=False)
+    assert log.fallbacks == ("no ignore_eos",)
+    assert log.failures == [(0, f"{stand_in.url}: request 0: HTTP 422: Unexpected fields in the request: "
+                                "{'ignore_eos'}")]
+    first, second = sends_by_length(stand_in)[2]  # sent as asked, then once without it: never a loop
+    assert first["ignore_eos"] is True and "ignore_eos" not in second and second["min_tokens"] == 2
+
+
+def test_an_error_that_names_nothing_a_fallback_avoids_fails_at_once(stand_in):
+    stand_in.behaviour.refuse_always = "The model `stand-in` does not exist."
+    log = replay(lk.Trace.from_lengths([2]), url=stand_in.url, model=MODEL, progress=False)
+    assert log.fallbacks == () and len(stand_in.behaviour.received) == 1
+    assert log.failures == [(0, f"{stand_in.url}: request 0: HTTP 422: The model `stand-in` does not exist.")]
+
+
+def test_a_server_that_refuses_priority_gets_none_and_lengths_stay_exact(stand_in):
+    stand_in.behaviour.refused_fields = {"priority"}
+    stand_in.behaviour.short = {3}
+    trace = lk.Trace.from_lengths([3, 2]).with_priorities([1, 0])
+    log = replay(trace, url=stand_in.url, model=MODEL, progress=False)
+    assert log.fallbacks == ("no priority",)
+    assert log.notes == (f"{stand_in.url} refused a request (HTTP 422: Unexpected fields in the request: "
+                         "['priority']); from now on requests go without priority; the server does not see the "
+                         "trace's priorities",)
+    assert [body.get("priority") for body in sends_by_length(stand_in)[3]] == [1, None]
+    assert log.failures == [(0, f"{stand_in.url}: request 0: received 2 tokens, asked for 3 "
+                                "(does the server honour ignore_eos and min_tokens?)")]
+
+
+def test_an_answer_without_a_token_fails_even_once_lengths_are_free(stand_in):
+    stand_in.behaviour.refused_fields = {"min_tokens"}
+    stand_in.behaviour.short = {1}
+    log = replay(lk.Trace.from_lengths([1, 2]), url=stand_in.url, model=MODEL, progress=False)
+    assert log.fallbacks == ("no min_tokens",)
+    assert log.failures == [(0, f"{stand_in.url}: request 0: received 0 tokens, asked for 1")]
+
+
+def test_a_request_whose_chunks_carry_no_text_gets_one_token_time_at_its_end(stand_in):
+    stand_in.behaviour.blank = {3}
+    log = replay(lk.Trace.from_lengths([3, 2]), url=stand_in.url, model=MODEL, progress=False)
+    assert log.failures == [] and [len(t) for t in log.tokens_at] == [1, 2]
+    assert log.num_tokens == 5 and log.usage[0]["completion_tokens"] == 3  # counted by the usage
+    assert log.ttft[0] == log.latency[0] >= 3 * TOKEN_SECONDS and log.texts == {1: " t0 t1"}
+
+
+def merging_tokenizer():
+    """A byte-level BPE tokenizer that merges every pair of lowercase letters, and pairs of ab, cd
+    and ef: prompt pieces decoded side by side encode to fewer tokens."""
+    import itertools
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    vocab = {"<s>": 0, **{char: byte + 1 for byte, char in bytes_to_unicode().items()}}
+    pairs = [*itertools.product("abcdefghijklmnopqrstuvwxyz", repeat=2), *itertools.product(["ab", "cd", "ef"],
+                                                                                            repeat=2)]
+    for left, right in pairs:
+        vocab[left + right] = len(vocab)
+    core = Tokenizer(models.BPE(vocab, merges=pairs))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>")
+
+
+def test_a_text_prompt_encodes_to_exactly_its_length_where_pieces_merge():
+    from labkit.engine.peers import byte_level_tokenizer
+
+    def num_tokens(tokenizer, text):
+        return len(tokenizer.encode(text, add_special_tokens=False))
+
+    for tokenizer in (byte_level_tokenizer(), merging_tokenizer()):
+        pieces = plain_pieces(tokenizer)
+        for request_id, length in itertools.product(range(40), (1, 2, 3, 7, 30)):
+            assert num_tokens(tokenizer, text_of_length(tokenizer, prompt_ids(request_id, length), pieces)) == length
+    tokenizer = merging_tokenizer()
+    pieces = plain_pieces(tokenizer)
+    naive = [tokenizer.decode([pieces[i % len(pieces)] for i in prompt_ids(r, 7)]) for r in range(40)]
+    assert any(num_tokens(tokenizer, text) < 7 for text in naive)  # the negative control: pieces as drawn merge
+
+
+def test_a_tokenizer_directory_loads_offline_and_a_bad_one_says_why(tmp_path):
+    from labkit.engine.peers import byte_level_tokenizer
+
+    byte_level_tokenizer().save_pretrained(tmp_path / "tokenizer")
+    texts = PromptTexts(tmp_path / "tokenizer")
+    assert texts(prompt_ids(0, 12)) == text_of_length(texts.tokenizer, prompt_ids(0, 12), texts.pieces)
+    assert len(texts.tokenizer.encode(texts(prompt_ids(0, 12)), add_special_tokens=False)) == 12
+    assert texts([]) == " " and PromptTexts()([]) == " "  # an empty prompt goes as one token
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match=rf"tokenizer = '{tmp_path / 'empty'}': AutoTokenizer cannot load it \("):
+        PromptTexts(tmp_path / "empty")
+
+
+def test_byte_level_text_has_one_printable_byte_per_id_and_keeps_printable_ones():
+    from labkit.serve.tokenizer import encode
+
+    assert byte_text(encode("Hello, world!")) == "Hello, world!"
+    text = byte_text(prompt_ids(3, 50))
+    assert len(text.encode()) == 50 and text.isascii() and text.isprintable()
+    assert byte_text(prompt_ids(4, 50)) != text  # each request its own prompt
 
 
 # Side by side with a simulation ----------------------------------------------------------------
@@ -459,10 +690,10 @@ def test_the_command_prints_a_table_and_the_failures(stand_in, capsys):
     parser, command = replay_parser()
     args = parser.parse_args(["replay", "toy", "--url", stand_in.url, "--model", MODEL, "--max-concurrency", "3",
                               "--no-progress"])
-    assert replay_command(args, command) == 0
+    assert replay_command(args, command) == 1  # a request failed: the summary, then exit code 1
     out = capsys.readouterr().out
     assert f"server: {stand_in.url}, model {MODEL}" in out
-    assert "toy: requests A-H" in out
+    assert "toy: requests A-H" in out and "\nfallbacks: none\n" in out
     rows = {line.split("  ")[0]: line.split()[-1] for line in out.splitlines() if "  " in line}
     assert rows["tokens"] == "24" and rows["failed requests"] == "1"  # D (8 tokens) failed
     assert "TTFT p99 (s)" in rows and "steps" not in rows
@@ -482,6 +713,42 @@ def test_the_command_reads_a_csv_trace_and_sends_its_first_requests(stand_in, ca
     assert sorted(len(body["prompt"]) for _, body in stand_in.behaviour.received) == [2, 4]
 
 
+def test_the_command_takes_a_tokenizer_directory_for_text_prompts(stand_in, capsys, tmp_path):
+    from labkit.engine.peers import byte_level_tokenizer
+
+    byte_level_tokenizer().save_pretrained(tmp_path / "tokenizer")
+    (tmp_path / "trace.csv").write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2024-01-01 00:00:00.00,4,3\n"
+                                        "2024-01-01 00:00:00.05,2,2\n2024-01-01 00:00:00.10,9,5\n")
+    stand_in.behaviour.text_prompts_only = True
+    parser, command = replay_parser()
+    args = parser.parse_args(["replay", str(tmp_path / "trace.csv"), "--url", stand_in.url, "--model", MODEL,
+                              "--tokenizer", str(tmp_path / "tokenizer"), "--no-progress"])
+    assert replay_command(args, command) == 0
+    out = capsys.readouterr().out
+    assert "\nfallbacks: text prompts\n" in out and "failed: 0 of 3 requests" in out
+    prompts = [sends_by_length(stand_in)[n][-1]["prompt"] for n in (3, 2, 5)]
+    assert [len(byte_level_tokenizer().encode(p, add_special_tokens=False)) for p in prompts] == [4, 2, 9]
+
+
+def test_the_command_exits_1_when_the_server_is_unreachable(capsys):
+    url = closed_port_url()
+    parser, command = replay_parser()
+    assert replay_command(parser.parse_args(["replay", "toy", "--url", url, "--model", MODEL, "--no-progress"]),
+                          command) == 1
+    out = capsys.readouterr().out
+    assert "failed: 8 of 8 requests\n" in out and f"\n  {url}: request 0: cannot connect (ConnectError" in out
+
+
+def test_the_command_exits_1_when_the_server_refuses_every_request(stand_in, capsys):
+    stand_in.behaviour.refuse_always = "Unexpected fields in the request: {'ignore_eos'}"
+    parser, command = replay_parser()
+    args = parser.parse_args(["replay", "toy", "--url", stand_in.url, "--model", MODEL, "--no-progress"])
+    assert replay_command(args, command) == 1
+    out = capsys.readouterr().out
+    assert "\nfallbacks: no ignore_eos\n" in out and "failed: 8 of 8 requests\n" in out
+    assert len(stand_in.behaviour.received) <= 16  # each request sent at most twice
+
+
 @pytest.mark.parametrize(
     "argv, error",
     [
@@ -490,6 +757,7 @@ def test_the_command_reads_a_csv_trace_and_sends_its_first_requests(stand_in, ca
         (["no-such.csv"], "labkit replay: error: argument TRACE: no-such.csv: no such file"),
         (["toy", "--rate-scale", "0"], "labkit replay: error: argument --rate-scale: '0': must be a number > 0"),
         (["toy", "--max-concurrency", "0"], "argument --max-concurrency: '0': must be a whole number >= 1"),
+        (["toy", "--tokenizer", "no-such-dir"], "labkit replay: error: tokenizer = 'no-such-dir': no such directory"),
     ],
 )
 def test_a_bad_option_ends_in_one_error_line(argv, error, capsys):

@@ -1,5 +1,6 @@
-"""Replay a trace against any OpenAI-compatible server (`labkit serve`, vLLM), as `vllm bench
-serve` does, and keep what it measured in a `ReplayLog` that `labkit.metrics` reads like a StepLog.
+"""Replay a trace against any OpenAI-compatible server (`labkit serve`, vLLM, `transformers serve`),
+as `vllm bench serve` does, and keep what it measured in a `ReplayLog` that `labkit.metrics`
+reads like a StepLog.
 
 Invariants:
 
@@ -7,21 +8,44 @@ Invariants:
   is sent at or after its arrival (`log.trace.arrivals[i]`, the trace's own divided by
   `rate_scale`), never before; TTFT and latency count from that arrival, so time spent
   waiting for the client's `max_concurrency` counts as queueing, as a slot does in the simulator;
-- every request ends one way or the other: it finished (it streamed exactly its output length
-  in tokens, then `[DONE]`) or it is in `failures` with a message that names the URL and the
-  request id. A failed request has NaN first-token and finish times, and none of its tokens
-  count in `num_tokens`, `token_times()` or the duration;
+- every request ends one way or the other: it finished or it is in `failures` with a message
+  that names the URL and the request id. A request finishes at `[DONE]`, or when its stream ends
+  after a chunk that gave a `finish_reason` (`transformers serve` sends no `[DONE]`), having
+  received exactly its output length in tokens while the server takes `ignore_eos` and
+  `min_tokens`, or between 1 and that length once the server refused either of them (a shorter
+  answer is then what the server chose, not a failure). A failed request has NaN first-token and
+  finish times, and none of its tokens count in `num_tokens`, `token_times()` or the duration;
+- the metrics count what came back: `log.trace` holds each finished request's output length as
+  received (the final usage's `completion_tokens` when the server sends it, else its counted
+  tokens), and `log.asked_lengths` what the trace asked for;
 - `tokens_at[i]` holds the time of each streamed chunk that carried tokens: one per token on a
-  server that streams one token per chunk (labkit's, vLLM's); ITL is read from these times,
-  and a token count from the final usage when the server sends one;
+  server that streams one token per chunk (labkit's, vLLM's), one per chunk of text on a server
+  that streams text (`transformers serve` sends none for a token that decodes to nothing yet); a
+  request that finished without such a chunk gets one time, when its stream ended. ITL is read
+  from these times, so on a text server it is the gap between chunks, one of which may hold
+  several tokens;
+- a server's refusal is read from its answer, once for the whole replay: an HTTP 400 or 422 whose
+  body names `ignore_eos`, `min_tokens` or `priority`, and the request carried it, drops that
+  field; one that says a prompt must be a string sends text prompts (exactly each prompt's
+  length with a `tokenizer`, else labkit's byte-level text, one ASCII byte per token; an empty
+  prompt as one token).
+  The first refusal switches the replay's mode, says so once (`log.notes`, on stderr as it
+  happens) and is listed in `log.fallbacks`; a refused request is sent again, as is any request
+  in flight that the server refused for the same reason. A request is sent again only when its
+  refusal names a fallback it was not sent with, so it is sent at most once per fallback, and a
+  request refused in the fallback mode fails with the server's message. A resent request keeps
+  its first `sent_at`: the refused round trip counts in its TTFT;
 - a request whose trace priority is not 0 is sent with it (vLLM's `priority` field);
 - at most `max_concurrency` requests are in flight; once one cannot connect, the server is
   unreachable and every request not yet sent fails at once instead of waiting for its arrival;
+- a server without /metrics (HTTP 404), or without vLLM's gauges there, leaves `log.server`
+  empty, says so once and fails nothing;
 - the replay's event loop always runs in a worker thread, so it runs the same way in a script
   and in Jupyter (whose loop already runs in the caller's thread); Ctrl-C cancels it, and the
   log keeps what was measured, with every request that had not finished failed as "interrupted".
 
-Imports httpx, numpy, tqdm, prometheus_client and labkit.traffic, never torch or fastapi.
+Imports httpx, numpy, tqdm, prometheus_client, labkit.traffic and labkit.serve.tokenizer, never
+fastapi; transformers (which loads torch) only to load a `tokenizer` given as a directory.
 """
 
 from __future__ import annotations
@@ -30,6 +54,8 @@ import asyncio
 import contextlib
 import json
 import math
+import os
+import sys
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -40,15 +66,119 @@ from prometheus_client.parser import text_string_to_metric_families
 from tqdm.auto import tqdm
 
 from labkit.sched.steplog import RequestTimes
+from labkit.serve.tokenizer import decode as byte_decode
+from labkit.serve.tokenizer import encode as byte_encode
 from labkit.traffic import Trace
 
 GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
+OPTIONAL_FIELDS = ("ignore_eos", "min_tokens", "priority")  # vLLM's extensions, which another server may refuse
+LENGTH_FIELDS = ("ignore_eos", "min_tokens")  # what holds a server to exactly max_tokens
+TEXT_PROMPTS = "text prompts"  # the fallback for a server that takes no token ids
+REFUSAL_STATUSES = (400, 422)
+PRINTABLE_IDS = range(byte_encode(" ")[0], byte_encode("~")[0] + 1)  # labkit's ids of printable ASCII
+MAX_PIECES = 256  # plain tokens a tokenizer's prompt texts are built from
+MAX_TEXT_ROUNDS = 16  # decode-encode rounds to reach an exact token count
 
 
 def prompt_ids(request_id: int, prompt_len: int, seed: int = 0, vocab_size: int = 512) -> list[int]:
     """The prompt ids labkit's engine draws for a request without prompt tokens (its
     `Engine.prompt_ids` without the begin-of-sequence token, which the engine adds)."""
     return np.random.default_rng([seed, request_id]).integers(1, vocab_size, prompt_len).tolist()
+
+
+def without(field: str) -> str:
+    """The name of the fallback that stops sending `field`, as `ReplayLog.fallbacks` lists it."""
+    return f"no {field}"
+
+
+# Prompts as text, for a server that takes no token ids
+
+
+def byte_text(ids: list[int]) -> str:
+    """labkit's byte-level text of prompt ids: printable ASCII ids as they are, any other id
+    folded into them, so the text has one byte, one token of `labkit.serve.tokenizer`, per id."""
+    return byte_decode([i if i in PRINTABLE_IDS else PRINTABLE_IDS[i % len(PRINTABLE_IDS)] for i in ids])
+
+
+def load_tokenizer(tokenizer):
+    """None, a Hugging Face tokenizer object as it is (`encode(text, add_special_tokens=False)`,
+    `decode(ids)`, `len()`), or one loaded offline from a local directory with transformers'
+    AutoTokenizer; anything else is a ValueError that names it."""
+    if tokenizer is None or (hasattr(tokenizer, "encode") and hasattr(tokenizer, "decode")):
+        return tokenizer
+    if not isinstance(tokenizer, (str, os.PathLike)):
+        raise ValueError(f"tokenizer = {tokenizer!r}: must be a tokenizer directory, a Hugging Face tokenizer or None")
+    if not os.path.isdir(tokenizer):
+        raise ValueError(f"tokenizer = {str(tokenizer)!r}: no such directory (must be a local Hugging Face "
+                         "tokenizer directory)")
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(tokenizer, local_files_only=True)
+    except (ImportError, OSError, ValueError) as error:
+        raise ValueError(f"tokenizer = {str(tokenizer)!r}: AutoTokenizer cannot load it ({error})") from None
+
+
+def plain_pieces(tokenizer) -> list[int]:
+    """Up to MAX_PIECES token ids, lowest first, that each decode on their own to printable ASCII
+    which encodes back to that one id: prompt texts built from them split no character."""
+    special, pieces = set(getattr(tokenizer, "all_special_ids", ())), []
+    for token in range(len(tokenizer)):
+        text = tokenizer.decode([token])
+        if (token not in special and text.isascii() and text.isprintable() and text
+                and tokenizer.encode(text, add_special_tokens=False) == [token]):
+            pieces.append(token)
+            if len(pieces) == MAX_PIECES:
+                break
+    if not pieces:
+        raise ValueError(f"tokenizer {_tokenizer_name(tokenizer)}: no token decodes on its own to plain ASCII "
+                         "that encodes back to it, so no prompt text of an exact length can be built")
+    return pieces
+
+
+def text_of_length(tokenizer, ids: list[int], pieces: list[int]) -> str:
+    """Text that `tokenizer` encodes (without special tokens) to exactly len(ids) tokens: the plain
+    pieces the ids pick, decoded and encoded again, cut where pieces split into more tokens and
+    topped up where they merged into fewer, until the count holds."""
+    length = len(ids)
+    tokens = [pieces[i % len(pieces)] for i in ids]
+    for round_ in range(MAX_TEXT_ROUNDS):
+        text = tokenizer.decode(tokens)
+        encoded = tokenizer.encode(text, add_special_tokens=False)
+        if len(encoded) == length:
+            return text
+        tokens = encoded[:length] + [pieces[(round_ + k) % len(pieces)] for k in range(length - len(encoded))]
+    raise ValueError(f"tokenizer {_tokenizer_name(tokenizer)}: no text of exactly {length} tokens "
+                     f"after {MAX_TEXT_ROUNDS} rounds of decoding and encoding")
+
+
+def _tokenizer_name(tokenizer) -> str:
+    return repr(getattr(tokenizer, "name_or_path", None) or type(tokenizer).__name__)
+
+
+class PromptTexts:
+    """Each request's prompt as text: exactly its length in `tokenizer`'s tokens (special tokens,
+    such as a begin-of-sequence token the server may add, not counted), or without a tokenizer
+    labkit's byte-level text, one ASCII byte per prompt token. An empty prompt goes as one token
+    (the tokenizer's first plain piece, or a space): servers refuse an empty text prompt, and
+    `transformers serve`'s worker dies on one when its tokenizer adds no begin-of-sequence token."""
+
+    def __init__(self, tokenizer=None):
+        self.tokenizer = load_tokenizer(tokenizer)
+        self.pieces = plain_pieces(self.tokenizer) if self.tokenizer is not None else []
+        self.empty = self.tokenizer.decode(self.pieces[:1]) if self.tokenizer is not None else " "
+
+    def __call__(self, ids: list[int]) -> str:
+        if not ids:
+            return self.empty
+        return text_of_length(self.tokenizer, ids, self.pieces) if self.tokenizer is not None else byte_text(ids)
+
+    def describe(self) -> str:
+        """How the texts are built, for the note that says the replay sends them."""
+        if self.tokenizer is not None:
+            return f"text of exactly each prompt's length in the tokens of {_tokenizer_name(self.tokenizer)}"
+        return ("labkit's byte-level text, one ASCII byte per prompt token: prompt lengths are approximate "
+                "unless the server's tokenizer is byte-level (tokenizer=, or --tokenizer DIR, makes them exact)")
 
 
 @dataclass(frozen=True, eq=False)
@@ -88,15 +218,25 @@ def parse_metrics(text: str, model: str) -> tuple[float, float, float] | None:
 
 class ReplayLog(RequestTimes):
     """What a replay measured. Per request, indexed like `trace` (the replayed requests, in
-    order, arrivals already scaled): `sent_at`, `first_token_at`, `finished_at` and `tokens_at`
-    in seconds on the trace's clock, and `ttft` and `latency` from arrival. `outputs` holds the
-    token ids each request received (when the server sends them), `failures` (request id,
-    message) pairs, and `server` the gauges scraped from the server while it ran."""
+    order, arrivals already scaled, each finished request's output length as received):
+    `sent_at`, `first_token_at`, `finished_at` and `tokens_at` in seconds on the trace's clock,
+    and `ttft` and `latency` from arrival; `asked_lengths` the output lengths the trace asked for.
+    By request id: `outputs` holds the token ids each request received (when the server sends
+    them), `texts` its text (when the server sends text) and `usage` the server's final usage
+    (when it sends one). `failures` holds (request id, message) pairs, `server` the gauges
+    scraped from the server while it ran, `fallbacks` what the replay stopped sending because
+    the server refused it ("no ignore_eos", "no min_tokens", "no priority", "text prompts"), in
+    the order it did, and `notes` what it said once along the way."""
 
     def __init__(self, trace: Trace, url: str, sent_at: np.ndarray, tokens_at: list[np.ndarray],
-                 outputs: dict[int, list[int]], failures: list[tuple[int, str]], server: ScrapedSeries):
+                 outputs: dict[int, list[int]], failures: list[tuple[int, str]], server: ScrapedSeries, *,
+                 asked_lengths: np.ndarray | None = None, texts: dict[int, str] | None = None,
+                 usage: dict[int, dict] | None = None, fallbacks: tuple[str, ...] = (), notes: tuple[str, ...] = ()):
         self.trace, self.url, self.sent_at, self.tokens_at = trace, url, sent_at, tokens_at
         self.outputs, self.failures, self.server = outputs, failures, server
+        self.asked_lengths = trace.output_lengths if asked_lengths is None else asked_lengths
+        self.texts, self.usage = texts or {}, usage or {}
+        self.fallbacks, self.notes = fallbacks, notes
         self.is_finished = ~np.isin(trace.ids, [request for request, _ in failures])
         self.first_token_at = np.array([t[0] if done else np.nan for t, done in zip(tokens_at, self.is_finished)])
         self.finished_at = np.array([t[-1] if done else np.nan for t, done in zip(tokens_at, self.is_finished)])
@@ -134,6 +274,7 @@ def replay(
     progress: bool = True,
     seed: int = 0,
     vocab_size: int = 512,
+    tokenizer=None,
     connect_timeout: float = 5.0,
     read_timeout: float = 300.0,
     scrape_interval: float = 0.1,
@@ -142,25 +283,43 @@ def replay(
     stream every answer, and return what was measured.
 
     url: the server's base URL, e.g. http://127.0.0.1:8000 (`labkit serve`'s default).
-    model: the served model's name. rate_scale: 2 sends twice as fast (arrivals / 2).
+    model: the served model's name, as GET /v1/models lists it (for `transformers serve DIR`, DIR
+    as given). rate_scale: 2 sends twice as fast (arrivals / 2).
     max_concurrency: at most this many requests in flight (None: no limit).
     requests: replay only the first this many requests. progress: a progress bar of tokens.
     seed, vocab_size: draw the prompt ids of a trace without prompt tokens as labkit's engine
-    does. connect_timeout: seconds to connect; read_timeout: seconds to wait for the next bytes
-    of an answer (the first token included). scrape_interval: seconds between scrapes of /metrics.
+    does. tokenizer: for a server that refuses token-id prompts (`transformers serve`), a local
+    Hugging Face tokenizer directory (loaded offline with AutoTokenizer) or tokenizer object, the
+    server's own: each prompt is then sent as text of exactly its length in those tokens; without
+    one, as labkit's byte-level text, of approximate length. connect_timeout: seconds to connect;
+    read_timeout: seconds to wait for the next bytes of an answer (the first token included).
+    scrape_interval: seconds between scrapes of /metrics.
     """
     _check_arguments(trace, model, url, max_concurrency, requests, seed, vocab_size, rate_scale=rate_scale,
                      connect_timeout=connect_timeout, read_timeout=read_timeout, scrape_interval=scrape_interval)
+    texts = PromptTexts(tokenizer)
     if requests is not None:
         trace = trace.select(np.arange(min(requests, len(trace))))
     trace = replace(trace, arrivals=trace.arrivals / rate_scale)
     prompts = ([p.tolist() for p in trace.prompt_tokens] if trace.prompt_tokens else
                [prompt_ids(int(i), int(n), seed, vocab_size) for i, n in zip(trace.ids, trace.prompt_lengths)])
-    run = _Replay(trace, prompts, url.rstrip("/"), model, max_concurrency,
+    run = _Replay(trace, prompts, texts, url.rstrip("/"), model, max_concurrency,
                   httpx.Timeout(connect_timeout, read=read_timeout, pool=None), scrape_interval)
     with tqdm(total=int(trace.output_lengths.sum()), unit="tok", disable=not progress, leave=False) as bar:
         _run_in_worker_thread(run, bar)
     return run.log()
+
+
+def refusals(status: int, body_text: str, body: dict) -> list[str]:
+    """The fallbacks an error answer to `body` calls for: an HTTP 400 or 422 whose body names an
+    optional field the request carried, or says that its prompt, token ids, must be a string."""
+    if status not in REFUSAL_STATUSES:
+        return []
+    text = body_text.lower()
+    named = [without(field) for field in OPTIONAL_FIELDS if field in body and field in text]
+    if not isinstance(body["prompt"], str) and "prompt" in text and "string" in text:
+        named.append(TEXT_PROMPTS)
+    return named
 
 
 def _check_arguments(trace, model, url, max_concurrency, requests, seed, vocab_size, **positive) -> None:
@@ -194,22 +353,32 @@ class _Replay:
     """One replay's plan and what it has measured so far: the event loop's thread writes it,
     the caller reads it once that thread has ended."""
 
-    def __init__(self, trace: Trace, prompts: list[list[int]], url: str, model: str,
+    def __init__(self, trace: Trace, prompts: list[list[int]], texts: PromptTexts, url: str, model: str,
                  max_concurrency: int | None, timeout: httpx.Timeout, scrape_interval: float):
-        self.trace, self.prompts, self.url, self.model = trace, prompts, url, model
+        self.trace, self.prompts, self.texts, self.url, self.model = trace, prompts, texts, url, model
         self.max_concurrency, self.timeout, self.scrape_interval = max_concurrency, timeout, scrape_interval
         self.sent_at = np.full(len(trace), np.nan)
         self.tokens_at: list[list[float]] = [[] for _ in range(len(trace))]
         self.token_ids: list[list[int]] = [[] for _ in range(len(trace))]
+        self.received_text: list[list[str]] = [[] for _ in range(len(trace))]
         self.num_received = np.zeros(len(trace), np.int64)
+        self.usage: dict[int, dict] = {}  # position in the trace -> the server's final usage
         self.is_finished = np.zeros(len(trace), bool)
         self.failures: dict[int, str] = {}  # position in the trace -> message
+        self.fallbacks: list[str] = []  # in the order the server's refusals called for them
+        self.notes: list[str] = []
         self.scrapes: list[tuple[float, float, float, float]] = []
         self.unreachable = asyncio.Event()  # set when a request cannot connect
         self.origin = time.perf_counter()  # reset when the loop starts: the trace's time 0
 
     def now(self) -> float:
         return time.perf_counter() - self.origin
+
+    def note(self, text: str) -> None:
+        """Say `text` once, on stderr beside the progress bar, and keep it for the log."""
+        if text not in self.notes:
+            self.notes.append(text)
+            tqdm.write(f"labkit replay: {text}", file=sys.stderr)
 
     # The event loop's side
 
@@ -235,8 +404,8 @@ class _Replay:
                 return
             self.sent_at[i] = self.now()
             try:
-                async with client.stream("POST", f"{self.url}/v1/completions", json=self._body(i)) as response:
-                    await self._read(i, response, bar)
+                while not await self._send(client, i, bar):
+                    pass  # refused for what a fallback now avoids: sent again, at most once per fallback
             except (httpx.ConnectError, httpx.ConnectTimeout) as error:
                 self.unreachable.set()
                 self._fail(i, f"cannot connect ({type(error).__name__}: {str(error) or 'no answer'})")
@@ -257,62 +426,120 @@ class _Replay:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.unreachable.wait(), left)
 
-    def _body(self, i: int) -> dict:
-        """Request i's completion body; its `priority` only when not 0, the default of every server
-        that knows the field (vLLM's, labkit's), so a server that does not is never sent it."""
-        length, priority = int(self.trace.output_lengths[i]), int(self.trace.priorities[i])
-        body = {"model": self.model, "prompt": self.prompts[i], "max_tokens": length, "min_tokens": length,
-                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-        return {**body, "priority": priority} if priority else body
+    async def _send(self, client: httpx.AsyncClient, i: int, bar: tqdm) -> bool:
+        """Send request i with the fallbacks taken so far and read its answer; False when the server
+        refused something of this request that a fallback avoids (the replay then takes it)."""
+        body = self._body(i, set(self.fallbacks))
+        async with client.stream("POST", f"{self.url}/v1/completions", json=body) as response:
+            if response.is_error:
+                await response.aread()
+                reason = f"HTTP {response.status_code}: {_error_text(response.text)}"
+                refused = refusals(response.status_code, response.text, body)
+                if not refused:
+                    raise _Failed(reason)
+                self._fall_back(refused, reason)
+                return False
+            await self._read(i, response, all(field in body for field in LENGTH_FIELDS), bar)
+            return True
 
-    async def _read(self, i: int, response: httpx.Response, bar: tqdm) -> None:
-        """Record each chunk's tokens as it arrives; finish at [DONE], or raise _Failed."""
-        if response.is_error:
-            await response.aread()
-            raise _Failed(f"HTTP {response.status_code}: {_error_text(response.text)}")
-        usage = None
+    def _body(self, i: int, fallbacks: set[str]) -> dict:
+        """Request i's completion body without what `fallbacks` drop; its `priority` only when not 0,
+        the default of every server that knows the field (vLLM's, labkit's), so a server that
+        does not is never sent it."""
+        length, priority = int(self.trace.output_lengths[i]), int(self.trace.priorities[i])
+        body = {"model": self.model, "prompt": self._prompt(i, fallbacks), "max_tokens": length, "stream": True,
+                "stream_options": {"include_usage": True}}
+        extensions = {"min_tokens": length, "ignore_eos": True, **({"priority": priority} if priority else {})}
+        return {**body, **{field: value for field, value in extensions.items() if without(field) not in fallbacks}}
+
+    def _prompt(self, i: int, fallbacks: set[str]) -> list[int] | str:
+        """Request i's prompt: its token ids, or its text once the server refused token ids."""
+        if TEXT_PROMPTS not in fallbacks:
+            return self.prompts[i]
+        try:
+            return self.texts(self.prompts[i])
+        except ValueError as error:
+            raise _Failed(f"no text prompt: {error}") from None
+
+    def _fall_back(self, refused: list[str], reason: str) -> None:
+        """Take the fallbacks a refusal calls for, for the rest of the replay; say so for new ones."""
+        new = [fallback for fallback in refused if fallback not in self.fallbacks]
+        if not new:
+            return
+        self.fallbacks += new
+        dropped = [field for field in OPTIONAL_FIELDS if without(field) in new]
+        effects = [f"requests go without {' and '.join(dropped)}"] if dropped else []
+        if set(dropped) & set(LENGTH_FIELDS):
+            effects.append("an answer may stop before its output length, and counts as it came back, not as a failure")
+        if "priority" in dropped:
+            effects.append("the server does not see the trace's priorities")
+        if TEXT_PROMPTS in new:
+            effects.append(f"prompts go as {self.texts.describe()}")
+        self.note(f"{self.url} refused a request ({reason}); from now on {'; '.join(effects)}")
+
+    async def _read(self, i: int, response: httpx.Response, exact: bool, bar: tqdm) -> None:
+        """Record each chunk's tokens as it arrives; finish at [DONE], or at the end of a stream
+        that gave a finish_reason (transformers serve sends no [DONE]); else raise _Failed."""
+        usage, finish_reason = None, None
         async for line in response.aiter_lines():
             if not line.startswith("data:"):
                 continue  # blank separators, comments and event names
             data = line.removeprefix("data:").strip()
             if data == "[DONE]":
-                return self._finish(i, usage)
+                return self._finish(i, usage, exact)
             chunk = _chunk(data)
             usage = chunk.get("usage") or usage
-            self._record(i, chunk.get("choices") or [], bar)
+            choices = chunk.get("choices") or []
+            finish_reason = next((c["finish_reason"] for c in choices if c.get("finish_reason")), finish_reason)
+            self._record(i, choices, bar)
+        if finish_reason:
+            return self._finish(i, usage, exact)
         raise _Failed(f"the stream ended without [DONE] after {self.num_received[i]} of "
                       f"{self.trace.output_lengths[i]} tokens")
 
     def _record(self, i: int, choices: list[dict], bar: tqdm) -> None:
         """Count a chunk's tokens: its token_ids when given, else one per non-empty text."""
         for choice in choices:
-            ids = choice.get("token_ids")
-            count = len(ids) if ids is not None else int(bool(choice.get("text")))
+            ids, text = choice.get("token_ids"), choice.get("text") or ""
+            count = len(ids) if ids is not None else int(bool(text))
             if count:
                 self.tokens_at[i].append(self.now())
                 self.token_ids[i] += ids or []
+                self.received_text[i].append(text)
                 self.num_received[i] += count
                 bar.update(count)
 
-    def _finish(self, i: int, usage: dict | None) -> None:
+    def _finish(self, i: int, usage: dict | None, exact: bool) -> None:
+        """Request i ended well: check its token count (exact while the server honours ignore_eos
+        and min_tokens, 1 up to its output length once it refused them) and keep it."""
         received = int(usage.get("completion_tokens", self.num_received[i]) if usage else self.num_received[i])
-        expected = int(self.trace.output_lengths[i])
-        if received != expected:
-            raise _Failed(f"received {received} tokens, asked for {expected} "
+        asked = int(self.trace.output_lengths[i])
+        if exact and received != asked:
+            raise _Failed(f"received {received} tokens, asked for {asked} "
                           "(does the server honour ignore_eos and min_tokens?)")
-        self.is_finished[i] = True
+        if not 1 <= received <= asked:
+            raise _Failed(f"received {received} tokens, asked for {asked}")
+        if not self.tokens_at[i]:
+            self.tokens_at[i].append(self.now())  # its tokens came in chunks without text: timed at the end
+        self.num_received[i], self.is_finished[i] = received, True
+        if usage:
+            self.usage[i] = usage
 
     def _fail(self, i: int, reason: str) -> None:
         self.failures[i] = f"{self.url}: request {int(self.trace.ids[i])}: {reason}"
 
     async def _scrape(self, client: httpx.AsyncClient) -> None:
-        """Sample the server's gauges every scrape_interval; stop for good at a 404."""
+        """Sample the server's gauges every scrape_interval; stop for good, and say so, when the
+        server has no /metrics (a 404) or no vLLM gauges there."""
         while True:
             with contextlib.suppress(httpx.HTTPError, ValueError):  # a failed scrape leaves a gap
                 response = await client.get(f"{self.url}/metrics", timeout=self.timeout.connect)
                 if response.status_code == 404:
-                    return
+                    return self.note(f"{self.url}/metrics: HTTP 404, so no gauge series (log.server is empty)")
                 sample = parse_metrics(response.text, self.model) if response.is_success else None
+                if response.is_success and sample is None:
+                    return self.note(f"{self.url}/metrics lacks vLLM's gauges ({', '.join(GAUGES)}) for model "
+                                     f"{self.model!r}, so no gauge series (log.server is empty)")
                 if sample:
                     self.scrapes.append((self.now(), *sample))
             await asyncio.sleep(self.scrape_interval)
@@ -326,13 +553,19 @@ class _Replay:
                 self._fail(i, "interrupted")
         ids = self.trace.ids.tolist()
         return ReplayLog(
-            trace=self.trace,
+            trace=replace(self.trace, output_lengths=np.where(self.is_finished, self.num_received,
+                                                              self.trace.output_lengths)),
             url=self.url,
             sent_at=self.sent_at,
             tokens_at=[np.array(times, float) for times in self.tokens_at],
             outputs={ids[i]: tokens for i, tokens in enumerate(self.token_ids) if tokens},
             failures=[(ids[i], self.failures[i]) for i in sorted(self.failures)],
             server=ScrapedSeries.from_samples(self.scrapes),
+            asked_lengths=self.trace.output_lengths,
+            texts={ids[i]: "".join(pieces) for i, pieces in enumerate(self.received_text) if any(pieces)},
+            usage={ids[i]: usage for i, usage in sorted(self.usage.items())},
+            fallbacks=tuple(self.fallbacks),
+            notes=tuple(self.notes),
         )
 
 
@@ -350,16 +583,18 @@ def _chunk(data: str) -> dict:
 
 
 def _error_text(body: str) -> str:
-    """The message of an error body, {"message": ...} or {"error": {"message": ...}}, else the body itself."""
+    """The message of an error body, {"message": ...}, {"error": {"message": ...}}, {"error": ...} or
+    {"detail": ...} (a string), else the body itself."""
     try:
         payload = json.loads(body)
     except ValueError:
         payload = None
     if isinstance(payload, dict):
         inner = payload.get("error")
-        message = (inner if isinstance(inner, dict) else payload).get("message")
-        if message:
-            return str(message)
+        fields = inner if isinstance(inner, dict) else payload
+        message = inner if isinstance(inner, str) else fields.get("message") or fields.get("detail")
+        if isinstance(message, str) and message:
+            return message
     return body.strip()[:200] or "no message"
 
 

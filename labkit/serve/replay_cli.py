@@ -7,7 +7,9 @@ Invariants:
   through `labkit.cli`'s own functions; azure-conv and CSV traces are cut to their first
   REQUESTS requests (a remote server's length limit is its own to enforce);
 - a bad option ends in one `labkit replay: error: ...` line and exit code 2, never a
-  traceback; a replay that ran exits 0, failed requests included (they are printed);
+  traceback; a replay that ran prints its summary, the fallbacks it took (what the server
+  refused, see `labkit.serve.replay`) and every failed request, then exits 0 when every request
+  finished and 1 when any failed (an unreachable server fails them all);
 - importing this module loads no more than `labkit` itself does, so `labkit demo` runs without
   the `serve` extra: the client (httpx) is imported when the command runs, and `labkit.cli`
   when the command is built or run (it imports this module to add the command).
@@ -34,10 +36,12 @@ def add_replay_parser(commands) -> argparse.ArgumentParser:
 
     parser = commands.add_parser(
         "replay",
-        help="send a trace to an OpenAI-compatible server (labkit serve, vLLM) and measure it",
+        help="send a trace to an OpenAI-compatible server (labkit serve, vLLM, transformers serve) and measure it",
         description="Send TRACE's requests to the server at URL at their arrival times, each asking for its "
         "output length (ignore_eos, min_tokens), stream the answers, and print tokens/s, TTFT, ITL, TPOT and "
-        "latency as lk.metrics.table does, and every failed request.",
+        "latency as lk.metrics.table does, and every failed request. A server that refuses ignore_eos and "
+        "min_tokens, or token-id prompts, gets requests without them, or text prompts, and the metrics count "
+        "what came back. Exits 1 when any request failed.",
     )
     parser.add_argument(
         "trace", metavar="TRACE",
@@ -66,6 +70,12 @@ def add_replay_parser(commands) -> argparse.ArgumentParser:
         "--seed", type=cli._whole_number(0), default=0,
         help="seed for the sampled trace and for prompt ids, as the engine draws them (default 0)",
     )
+    parser.add_argument(
+        "--tokenizer", metavar="DIR", default=None,
+        help="a local Hugging Face tokenizer directory, the server's: for a server that takes only text prompts "
+        "(transformers serve), each prompt is sent as text of exactly its length in these tokens (default: "
+        "labkit's byte-level text, approximate lengths)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     prediction = parser.add_argument_group(
         "prediction beside measurement", "with --slots, also simulate the replayed trace under the policy these "
@@ -75,23 +85,25 @@ def add_replay_parser(commands) -> argparse.ArgumentParser:
 
 
 def replay_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    """Replay the trace `args` name against the server and print the report."""
+    """Replay the trace `args` name against the server and print the report; 1 when a request failed."""
     from labkit.serve.replay import replay
 
     trace, description = load_replay_trace(args, parser)
     try:
         log = replay(trace, url=args.url, model=args.model, rate_scale=args.rate_scale,
-                     max_concurrency=args.max_concurrency, seed=args.seed, progress=not args.no_progress)
+                     max_concurrency=args.max_concurrency, seed=args.seed, tokenizer=args.tokenizer,
+                     progress=not args.no_progress)
     except ValueError as error:
         parser.error(str(error))
     print(f"server: {log.url}, model {args.model}")
     print(f"trace:  {description}, rate scale {args.rate_scale:g}")
     print(f"        {log.trace!r}")
+    print(f"fallbacks: {', '.join(log.fallbacks) or 'none'}")
     print()
     print(metrics.table({**predicted_beside(log.trace, args, parser), "measured": log}))
     print()
     print_failures(log.failures, len(log.trace))
-    return 0
+    return 1 if log.failures else 0
 
 
 def predicted_beside(trace: lk.Trace, args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
