@@ -114,8 +114,8 @@ def test_load_rejects_other_sizes(hf_model):
         )
 
 
-def test_rejects_grouped_query_attention():
+def test_rejects_an_activation_other_than_silu():
     hf_config = CONFIG.to_hf_llama_config()
-    hf_config.num_key_value_heads = 1
-    with pytest.raises(ValueError, match="num_key_value_heads = 1: TinyGPT needs 2"):
+    hf_config.hidden_act = "gelu"
+    with pytest.raises(ValueError, match="hidden_act = 'gelu': TinyGPT supports 'silu'"):
         ModelConfig.from_hf_llama_config(hf_config)

@@ -4,10 +4,9 @@ driven by the same policies as the simulator. Imports torch and labkit.sched."""
 from labkit.engine.device import available_devices, resolve_device
 from labkit.engine.kv import PagedKVCache
 from labkit.engine.model import ModelConfig, StepBatch, TinyGPT
-from labkit.engine.runner import BOS_TOKEN, Engine
+from labkit.engine.runner import Engine
 
 __all__ = [
-    "BOS_TOKEN",
     "Engine",
     "ModelConfig",
     "PagedKVCache",

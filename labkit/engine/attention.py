@@ -10,15 +10,21 @@ layouts do the same arithmetic:
   cost grows with the number of requests, not with their work.
 - `BatchedAttention` (the default, as serving engines do it): requests with one new token
   (a decode, or a one-token chunk) are grouped by context length, and each group joins one
-  padded call, (D, nh, 1, L) queries against (D, nh, L, hs) keys with a mask that hides the
-  padding; a request with several new tokens (a prompt, or a chunk of one) gets a call of
-  its own, and a step has few. Grouping keeps one long context from padding every short
-  one to its length: sorted by context, a group pads at most 25% of its real context
-  tokens, or 256 slots, about what one more call costs on a CPU (`bucket_by_context`). A
-  CUDA graph (`cuda_graphs`) keeps one group, padded to its bucket: a graph fixes shapes.
+  padded call, (D, nkv, g, hs) queries against (D, nkv, L, hs) keys (g = 1, nkv = nh without
+  grouped-query attention, below) with a mask that hides the padding; a request with
+  several new tokens (a prompt, or a chunk of one) gets a call of its own, and a step has
+  few. Grouping keeps one long context from padding every short one to its length:
+  sorted by context, a group pads at most 25% of its real context tokens, or 256 slots,
+  about what one more call costs on a CPU (`bucket_by_context`). A CUDA graph
+  (`cuda_graphs`) keeps one group, padded to its bucket: a graph fixes shapes.
 
 Both are planned once per step (`plan_attention`), from the step's block tables, and
 then called once per layer. DESIGN.md records the measurements behind the choice.
+
+Grouped-query attention: the cache holds nkv key/value heads, and query head h reads key/value
+head h // g, for g = nh / nkv (HF's `repeat_kv` order). A decode group views its queries as
+(D, nkv, g, hs), g queries against each key head, so it copies nothing; a multi-token request
+repeats each key/value head g times (`repeat_kv_heads`). With nkv = nh both are no-ops.
 
 Invariants:
 
@@ -52,9 +58,9 @@ def context_slots(block_tables: torch.Tensor, context_len: int, block_size: int)
 
 
 def gather(cache: torch.Tensor, slots: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """cache rows at `slots`: (*slots.shape, nh, hs), written into `out` if given.
+    """cache rows at `slots`: (*slots.shape, nkv, hs), written into `out` if given.
     `index_select` is the fast gather on every device (advanced indexing is several times slower)."""
-    rows = torch.index_select(cache, 0, slots.flatten(), out=out)  # (num_slots_read, nh, hs)
+    rows = torch.index_select(cache, 0, slots.flatten(), out=out)  # (num_slots_read, nkv, hs)
     return rows.view(*slots.shape, *cache.shape[1:])
 
 
@@ -73,7 +79,7 @@ class GatherScratch:
         self._buffers: dict[str, torch.Tensor] = {}
 
     def keys_and_values(self, cache: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Two (num_rows, nh, hs) buffers like `cache`'s rows."""
+        """Two (num_rows, nkv, hs) buffers like `cache`'s rows."""
         return self._take("k", cache, num_rows), self._take("v", cache, num_rows)
 
     def _take(self, name: str, cache: torch.Tensor, num_rows: int) -> torch.Tensor:
@@ -86,9 +92,18 @@ class GatherScratch:
 
 
 def gather_keys_and_values(k_cache, v_cache, slots, scratch: GatherScratch | None):
-    """Keys and values at `slots`, (*slots.shape, nh, hs) each, in the scratch buffers if given."""
+    """Keys and values at `slots`, (*slots.shape, nkv, hs) each, in the scratch buffers if given."""
     k_out, v_out = scratch.keys_and_values(k_cache, slots.numel()) if scratch else (None, None)
     return gather(k_cache, slots, k_out), gather(v_cache, slots, v_out)
+
+
+def repeat_kv_heads(k: torch.Tensor, v: torch.Tensor, num_query_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, nkv, L, hs) keys and values with each head repeated for the g = nh / nkv query heads that
+    read it, (B, nh, L, hs) each; returned as they are, not copied, when nkv = nh."""
+    group = num_query_heads // k.shape[1]
+    if group == 1:
+        return k, v
+    return k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
 
 
 @dataclass
@@ -101,9 +116,9 @@ class _OneRequest:
     is_causal: bool  # the new tokens are the whole context (a first prefill): plain causal attention
 
     def attend(self, q, k_cache, v_cache, scratch: GatherScratch | None) -> torch.Tensor:
-        k_i, v_i = gather_keys_and_values(k_cache, v_cache, self.slots, scratch)  # (L, nh, hs) each
+        k_i, v_i = gather_keys_and_values(k_cache, v_cache, self.slots, scratch)  # (L, nkv, hs) each
         q_i = q[self.rows].transpose(0, 1)[None]  # (1, nh, n, hs)
-        k_i, v_i = k_i.transpose(0, 1)[None], v_i.transpose(0, 1)[None]  # (1, nh, L, hs) each
+        k_i, v_i = repeat_kv_heads(k_i.transpose(0, 1)[None], v_i.transpose(0, 1)[None], q.shape[1])  # (1, nh, L, hs)
         y = F.scaled_dot_product_attention(q_i, k_i, v_i, attn_mask=self.mask, is_causal=self.is_causal)
         return y[0].transpose(0, 1)  # (n, nh, hs)
 
@@ -126,13 +141,14 @@ class PerRequestAttention:
     scratch: GatherScratch | None = None
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        """q: (T, nh, hs) rotated queries; k_cache, v_cache: (num_slots, nh, hs). Returns (T, nh, hs)."""
+        """q: (T, nh, hs) rotated queries; k_cache, v_cache: (num_slots, nkv, hs). Returns (T, nh, hs)."""
         return torch.cat([request.attend(q, k_cache, v_cache, self.scratch) for request in self.requests])
 
 
 @dataclass
 class DecodeGroup:
-    """Requests with one new token each, attended in one padded call.
+    """Requests with one new token each, attended in one padded call; the g query heads that share
+    a key/value head go as g queries against it.
 
     rows: (D,) long, their rows among the step's T tokens.
     slots: (D, L) long, each one's context slots, padded to the longest context L.
@@ -144,11 +160,12 @@ class DecodeGroup:
     key_mask: torch.Tensor
 
     def attend(self, q, k_cache, v_cache, scratch: GatherScratch | None) -> torch.Tensor:
-        k_d, v_d = gather_keys_and_values(k_cache, v_cache, self.slots, scratch)  # (D, L, nh, hs) each
-        q_d = q.index_select(0, self.rows)[:, :, None, :]  # (D, nh, 1, hs)
-        k_d, v_d = k_d.transpose(1, 2), v_d.transpose(1, 2)  # (D, nh, L, hs) each
-        y = F.scaled_dot_product_attention(q_d, k_d, v_d, attn_mask=self.key_mask)  # (D, nh, 1, hs)
-        return y[:, :, 0, :]  # (D, nh, hs)
+        k_d, v_d = gather_keys_and_values(k_cache, v_cache, self.slots, scratch)  # (D, L, nkv, hs) each
+        (D, _, nkv, hs), nh = k_d.shape, q.shape[1]
+        q_d = q.index_select(0, self.rows).view(D, nkv, nh // nkv, hs)  # (D, nkv, g, hs)
+        k_d, v_d = k_d.transpose(1, 2), v_d.transpose(1, 2)  # (D, nkv, L, hs) each
+        y = F.scaled_dot_product_attention(q_d, k_d, v_d, attn_mask=self.key_mask)  # (D, nkv, g, hs)
+        return y.reshape(D, nh, hs)  # (D, nh, hs)
 
 
 def decode_group(rows: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
@@ -197,7 +214,7 @@ class BatchedAttention:
     scratch: GatherScratch | None = None
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        """q: (T, nh, hs) rotated queries; k_cache, v_cache: (num_slots, nh, hs). Returns (T, nh, hs)."""
+        """q: (T, nh, hs) rotated queries; k_cache, v_cache: (num_slots, nkv, hs). Returns (T, nh, hs)."""
         if not self.prefills and len(self.decodes) == 1:  # one group of every request: its rows are 0..T-1
             return self.decodes[0].attend(q, k_cache, v_cache, self.scratch)
         out = torch.empty_like(q)  # (T, nh, hs)

@@ -25,7 +25,8 @@ if TYPE_CHECKING:
 
 
 class PagedKVCache:
-    """Keys and values of every layer, as (n_layers, num_blocks + 1, block_size, n_heads, head_dim)."""
+    """Keys and values of every layer, as (n_layers, num_blocks + 1, block_size, n_kv_heads, head_dim):
+    the key/value heads only, which grouped-query attention shares among the query heads."""
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, device, dtype=torch.float32):
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
@@ -33,7 +34,7 @@ class PagedKVCache:
                 raise ValueError(f"{name} = {value!r}: must be a whole number >= 1")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        shape = (config.n_layers, num_blocks + 1, block_size, config.n_heads, config.head_dim)  # + the padding block
+        shape = (config.n_layers, num_blocks + 1, block_size, config.kv_heads, config.head_dim)  # + the padding block
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
 
@@ -51,6 +52,6 @@ class PagedKVCache:
         return 2 * self.k.numel() * self.k.element_size()
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer i's keys and values as flat views, (num_slots, n_heads, head_dim) each."""
-        _, _, _, nh, hs = self.k.shape
-        return self.k[i].view(self.num_slots, nh, hs), self.v[i].view(self.num_slots, nh, hs)
+        """Layer i's keys and values as flat views, (num_slots, n_kv_heads, head_dim) each."""
+        _, _, _, nkv, hs = self.k.shape
+        return self.k[i].view(self.num_slots, nkv, hs), self.v[i].view(self.num_slots, nkv, hs)

@@ -1,11 +1,16 @@
 """TinyGPT: a small Llama-architecture decoder with selective batching over a paged KV cache.
 
 The architecture is Hugging Face's `LlamaForCausalLM`, module for module and name for
-name: RMSNorm, rotary positions (rotate_half convention), SwiGLU MLP, no biases, an
-untied LM head, and as many key/value heads as query heads. Two things differ, as in
-vLLM and nano-vllm: the q, k and v projections are stacked into one `qkv_proj`, and
-gate and up into one `gate_up_proj`, so each is one matrix multiply, not three or two.
-`TinyGPT.from_hf_llama` stacks an HF model's weights so and loads them.
+name: RMSNorm, rotary positions (rotate_half convention), SwiGLU MLP, no biases. The
+seeded TinyGPT has an untied LM head and as many key/value heads as query heads; a
+checkpoint's config may also ask for grouped-query attention (`n_kv_heads` < `n_heads`:
+each key/value head serves n_heads / n_kv_heads query heads, and the KV cache keeps only
+the n_kv_heads), an LM head tied to the embedding, a head size other than
+d_model / n_heads, and scaled rotary frequencies (`labkit.engine.rope`). Two things
+differ, as in vLLM and nano-vllm: the q, k and v projections are stacked into one
+`qkv_proj`, and gate and up into one `gate_up_proj`, so each is one matrix multiply, not
+three or two. `TinyGPT.from_hf_llama` stacks an HF model's weights so and loads them;
+`labkit.engine.checkpoint` loads a model directory.
 
 One forward call is one engine step (Orca's selective batching):
 
@@ -26,7 +31,7 @@ Invariants:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 
 import itertools
 
@@ -37,6 +42,7 @@ import torch.nn.functional as F
 
 from labkit.engine.attention import ATTENTION_LAYOUTS, GatherScratch, plan_attention
 from labkit.engine.kv import PagedKVCache
+from labkit.engine.rope import LLAMA3_FIELDS, ROPE_SCALING_TYPES, RopeScaling
 
 
 # TinyGPT's stacked projections, and HF's projections each one stacks, in order
@@ -71,6 +77,12 @@ class ModelConfig:
 
     attention: "batched" (one pass per layer over every request) or "per_request" (Orca's
     loop); both give the same tokens, and neither changes a weight.
+    The fields after it describe checkpoints; their defaults are the seeded TinyGPT's:
+    n_kv_heads: key/value heads (None: n_heads), a divisor of n_heads;
+    explicit_head_dim: the size of a head when it is not d_model / n_heads (None: it is);
+    tie_embeddings: the LM head is the embedding matrix;
+    rope_scaling: how the rotary frequencies are scaled (None: not at all);
+    bos_token_id: the begin-of-sequence token every sequence starts with.
     """
 
     vocab_size: int = 512
@@ -82,10 +94,18 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     attention: str = "batched"
+    n_kv_heads: int | None = None
+    explicit_head_dim: int | None = None
+    tie_embeddings: bool = False
+    rope_scaling: RopeScaling | None = None
+    bos_token_id: int = 0
 
     def __post_init__(self):
-        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len"):
+        derived_when_none = ("n_kv_heads", "explicit_head_dim")
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len", *derived_when_none):
             value = getattr(self, name)
+            if value is None and name in derived_when_none:
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} = {value!r}: must be a whole number >= 1")
         for name in ("rope_theta", "norm_eps"):
@@ -96,26 +116,45 @@ class ModelConfig:
             raise ValueError(f"attention = {self.attention!r}: must be one of {', '.join(ATTENTION_LAYOUTS)}")
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model = {self.d_model}: must be divisible by n_heads = {self.n_heads}")
+        if self.n_heads % self.kv_heads:
+            raise ValueError(f"n_kv_heads = {self.n_kv_heads}: must divide n_heads = {self.n_heads}")
         if self.head_dim % 2:
-            raise ValueError(f"d_model = {self.d_model}: d_model / n_heads must be even for rotary positions")
+            field = "d_model" if self.explicit_head_dim is None else "explicit_head_dim"
+            raise ValueError(f"{field} = {getattr(self, field)}: the head size must be even for rotary positions")
+        if not isinstance(self.tie_embeddings, bool):
+            raise ValueError(f"tie_embeddings = {self.tie_embeddings!r}: must be True or False")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            raise ValueError(f"rope_scaling = {self.rope_scaling!r}: must be None or a RopeScaling")
+        bos = self.bos_token_id
+        if isinstance(bos, bool) or not isinstance(bos, int) or not 0 <= bos < self.vocab_size:
+            raise ValueError(f"bos_token_id = {bos!r}: must be a token id in 0..{self.vocab_size - 1}")
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+        return self.explicit_head_dim or self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: n_kv_heads, or n_heads when it is None."""
+        return self.n_kv_heads or self.n_heads
 
     def to_hf_llama_config(self):
-        """The matching `transformers.LlamaConfig` (fp32, eager attention, no EOS/BOS)."""
+        """The matching `transformers.LlamaConfig` (fp32, eager attention, no EOS)."""
         from transformers import LlamaConfig
 
+        scaling = {} if self.rope_scaling is None else {"rope_scaling": {
+            name: value for name, value in asdict(self.rope_scaling).items() if value is not None}}
         return LlamaConfig(
             **{hf_name: getattr(self, name) for name, hf_name in _HF_NAMES},
-            num_key_value_heads=self.n_heads,
+            num_key_value_heads=self.kv_heads,
+            head_dim=self.head_dim,
             rope_theta=self.rope_theta,
+            **scaling,
             hidden_act="silu",
             attention_bias=False,
             mlp_bias=False,
-            tie_word_embeddings=False,
-            bos_token_id=None,
+            tie_word_embeddings=self.tie_embeddings,
+            bos_token_id=self.bos_token_id,
             eos_token_id=None,
             pad_token_id=None,
             attn_implementation="eager",
@@ -123,26 +162,40 @@ class ModelConfig:
 
     @classmethod
     def from_hf_llama_config(cls, hf_config) -> ModelConfig:
-        """The ModelConfig of an HF `LlamaConfig`; ValueError if TinyGPT cannot express it."""
+        """The ModelConfig of an HF `LlamaConfig`; a ValueError names the field TinyGPT cannot express."""
         rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
-        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
         checks = {
-            "num_key_value_heads": (hf_config.num_key_value_heads, hf_config.num_attention_heads),
-            "head_dim": (head_dim, hf_config.hidden_size // hf_config.num_attention_heads),
-            "hidden_act": (hf_config.hidden_act, "silu"),
-            "attention_bias": (hf_config.attention_bias, False),
-            "mlp_bias": (getattr(hf_config, "mlp_bias", False), False),
-            "tie_word_embeddings": (hf_config.tie_word_embeddings, False),
-            "rope_type": (rope_type, "default"),
+            "model_type": (getattr(hf_config, "model_type", "llama"), ("llama",)),
+            "hidden_act": (hf_config.hidden_act, ("silu",)),
+            "attention_bias": (hf_config.attention_bias, (False,)),
+            "mlp_bias": (getattr(hf_config, "mlp_bias", False), (False,)),
+            "rope_type": (rope_type, ("default", *ROPE_SCALING_TYPES)),
+            "partial_rotary_factor": (rope.get("partial_rotary_factor", 1.0), (1.0,)),
         }
-        for name, (value, expected) in checks.items():
-            if value != expected:
-                raise ValueError(f"{name} = {value!r}: TinyGPT needs {expected!r}")
+        for name, (value, supported) in checks.items():
+            if value not in supported:
+                raise ValueError(f"{name} = {value!r}: TinyGPT supports {' or '.join(map(repr, supported))}")
+        if hf_config.bos_token_id is None:
+            raise ValueError("bos_token_id = None: TinyGPT starts every sequence with a begin-of-sequence token")
+        n_heads = hf_config.num_attention_heads
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // n_heads
+        kv_heads = getattr(hf_config, "num_key_value_heads", None) or n_heads
         return cls(
             **{name: getattr(hf_config, hf_name) for name, hf_name in _HF_NAMES},
             rope_theta=float(rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))),
+            n_kv_heads=None if kv_heads == n_heads else kv_heads,
+            explicit_head_dim=None if head_dim == hf_config.hidden_size // n_heads else head_dim,
+            tie_embeddings=bool(hf_config.tie_word_embeddings),
+            rope_scaling=None if rope_type == "default" else hf_rope_scaling(rope_type, rope),
+            bos_token_id=hf_config.bos_token_id,
         )
+
+
+def hf_rope_scaling(rope_type: str, rope: dict) -> RopeScaling:
+    """The RopeScaling of an HF config's rope parameters (rope_type "linear" or "llama3")."""
+    names = ("factor",) if rope_type == "linear" else ("factor", *LLAMA3_FIELDS)
+    return RopeScaling(rope_type, **{name: rope.get(name) for name in names})
 
 
 @dataclass
@@ -227,12 +280,15 @@ class Rotary(nn.Module):
     cos and sin are tabled once for every position up to max_seq_len. A step looks its tokens'
     rows up instead of computing them, and applies rotate_half(x) * sin as
     roll(x, hs/2) * [-sin, sin] = [x2, x1] * [-sin, sin]: the same numbers in two ops, not four.
-    The tables are buffers, so they follow the model's device and dtype, but not its state dict."""
+    The tables are buffers, so they follow the model's device and dtype, but not its state dict.
+    A checkpoint may scale the frequencies f (`config.rope_scaling`, `labkit.engine.rope`)."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
         exponents = torch.arange(0, config.head_dim, 2, dtype=torch.float) / config.head_dim
         inv_freq = 1.0 / (config.rope_theta**exponents)  # (hs/2,)
+        if config.rope_scaling is not None:
+            inv_freq = config.rope_scaling.scale(inv_freq)  # (hs/2,)
         freqs = torch.arange(config.max_seq_len, dtype=torch.float)[:, None] * inv_freq[None, :]  # (max_len, hs/2)
         self.register_buffer("cos", torch.cat((freqs.cos(), freqs.cos()), dim=-1), persistent=False)  # (max_len, hs)
         self.register_buffer("signed_sin", torch.cat((-freqs.sin(), freqs.sin()), dim=-1), persistent=False)
@@ -248,23 +304,26 @@ def rotate(x, cos, signed_sin):
 
 
 class Attention(nn.Module):
+    """nh query heads and nkv key/value heads (nkv = nh, or fewer: grouped-query attention)."""
+
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.n_heads, self.head_dim = config.n_heads, config.head_dim
-        self.qkv_proj = nn.Linear(config.d_model, 3 * config.d_model, bias=False)  # HF's q_proj, k_proj, v_proj
-        self.o_proj = nn.Linear(config.d_model, config.d_model, bias=False)
+        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.kv_heads, config.head_dim
+        q_size, kv_size = config.n_heads * config.head_dim, config.kv_heads * config.head_dim
+        self.qkv_proj = nn.Linear(config.d_model, q_size + 2 * kv_size, bias=False)  # HF's q_proj, k_proj, v_proj
+        self.o_proj = nn.Linear(q_size, config.d_model, bias=False)
 
     def forward(self, x, cos, signed_sin, write_slots, k_cache, v_cache, attention):
-        T, C = x.shape
-        nh, hs = self.n_heads, self.head_dim
-        qkv = self.qkv_proj(x).view(T, 3, nh, hs)  # (T, 3, nh, hs): one GEMM for all three
-        qk = rotate(qkv[:, :2], cos[:, None, None], signed_sin[:, None, None])  # (T, 2, nh, hs): q and k at once
-        q, k, v = qk[:, 0], qk[:, 1], qkv[:, 2]  # (T, nh, hs) each
+        T, _ = x.shape
+        nh, nkv, hs = self.n_heads, self.n_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x).view(T, nh + 2 * nkv, hs)  # (T, nh + 2 nkv, hs): one GEMM, the heads of q, k, v
+        qk = rotate(qkv[:, : nh + nkv], cos[:, None], signed_sin[:, None])  # (T, nh + nkv, hs): q and k at once
+        q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv :]  # (T, nh, hs), (T, nkv, hs), (T, nkv, hs)
         # write this step's keys and values, then let each request read its whole context
         k_cache.index_copy_(0, write_slots, k)
         v_cache.index_copy_(0, write_slots, v)
         y = attention(q, k_cache, v_cache)  # (T, nh, hs)
-        return self.o_proj(y.reshape(T, C))  # (T, C)
+        return self.o_proj(y.reshape(T, nh * hs))  # (T, C)
 
 
 class MLP(nn.Module):
@@ -307,6 +366,8 @@ class TinyGPT(nn.Module):
         self.config = config
         self.model = Body(config)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight  # one matrix: embedding in, logits out
         self.rotary = Rotary(config)
         self.gather_scratch = GatherScratch()
         self._init_weights(seed)
@@ -345,7 +406,15 @@ class TinyGPT(nn.Module):
         expected = replace(ModelConfig.from_hf_llama_config(hf_model.config), attention=self.config.attention)
         if expected != self.config:
             raise ValueError(f"hf_model has config {expected}, this TinyGPT has {self.config}")
-        self.load_state_dict(stack_hf_projections(hf_model.state_dict()), strict=True)
+        return self.load_hf_state(hf_model.state_dict())
+
+    def load_hf_state(self, hf_state: dict[str, torch.Tensor]) -> TinyGPT:
+        """Copy an HF Llama state dict of this model's size into it: every weight, none left over.
+        A tied LM head may be missing from it (checkpoints store the shared matrix once)."""
+        state = stack_hf_projections(hf_state)
+        if self.config.tie_embeddings and "model.embed_tokens.weight" in state:
+            state["lm_head.weight"] = state["model.embed_tokens.weight"]  # the one matrix, as HF ties it
+        self.load_state_dict(state, strict=True)
         return self
 
     @classmethod

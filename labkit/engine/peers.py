@@ -26,13 +26,17 @@ from labkit.traffic import Trace
 PAD = 0  # the id left padding uses; the attention mask hides it
 
 
-def transformers_llama(config, seed: int = 0):
+def transformers_llama(config, seed: int = 0, initializer_range: float = 0.02):
     """An fp32 `LlamaForCausalLM` in eval mode with `config`'s shape (a labkit `ModelConfig`)
-    and weights drawn after `torch.manual_seed(seed)`; `TinyGPT.from_hf_llama` copies them."""
+    and weights drawn after `torch.manual_seed(seed)`, with HF's standard deviation
+    `initializer_range` (larger weights make attention, and so positions, weigh more in the
+    tokens); `TinyGPT.from_hf_llama` copies them."""
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config.to_hf_llama_config()).float().eval()
+    hf_config = config.to_hf_llama_config()
+    hf_config.initializer_range = initializer_range
+    model = LlamaForCausalLM(hf_config).float().eval()
     model.set_attn_implementation("sdpa")  # transformers' CPU default, and the kernel TinyGPT calls
     return model
 
@@ -115,9 +119,9 @@ def byte_level_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>")
 
 
-def save_llama_dir(directory, config, seed: int = 0) -> None:
-    """Write a local Hugging Face model directory: `transformers_llama(config, seed)`'s weights
-    (safetensors), its config.json and the byte-level tokenizer. Any server that loads a
+def save_llama_dir(directory, config, seed: int = 0, initializer_range: float = 0.02) -> None:
+    """Write a local Hugging Face model directory: `transformers_llama(config, seed, initializer_range)`'s
+    weights (safetensors), its config.json and the byte-level tokenizer. Any server that loads a
     Llama directory (`labkit serve DIR`, `transformers serve DIR`) then serves the same weights."""
-    transformers_llama(config, seed).save_pretrained(directory)
+    transformers_llama(config, seed, initializer_range).save_pretrained(directory)
     byte_level_tokenizer().save_pretrained(directory)

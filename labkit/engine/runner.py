@@ -42,7 +42,7 @@ from labkit.engine.device import default_threads, resolve_device, torch_threads
 from labkit.engine.kv import PagedKVCache
 from labkit.engine.model import ModelConfig, TinyGPT
 from labkit.engine.overlap import OverlappedSteps
-from labkit.engine.steps import BOS_TOKEN, TorchSteps
+from labkit.engine.steps import TorchSteps
 from labkit.engine.timing import decode_step_parts, decode_step_seconds
 from labkit.sched import BlockPool, StepLog
 from labkit.sched.driver import drive
@@ -109,7 +109,7 @@ class Engine:
     def prompt_ids(self, request_id: int, prompt_len: int) -> list[int]:
         """The begin-of-sequence token and `prompt_len` prompt ids drawn from (seed, request id)."""
         rng = np.random.default_rng([self.seed, request_id])
-        return [BOS_TOKEN, *rng.integers(1, self.config.vocab_size, prompt_len).tolist()]
+        return [self.config.bos_token_id, *rng.integers(1, self.config.vocab_size, prompt_len).tolist()]
 
     def run(self, trace: Trace, policy, on_step=None, progress: bool = True) -> StepLog:
         """Serve `trace` with `policy`; returns the StepLog, with `outputs` and measured times.

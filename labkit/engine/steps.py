@@ -7,8 +7,9 @@ the device in every step; `labkit.engine.overlap` is the loop that does not.
 
 Invariants:
 
-- every sequence is a begin-of-sequence token, the request's prompt, then its outputs;
-  a step feeds each row exactly the tokens the policy scheduled for it;
+- every sequence is the model's begin-of-sequence token (`ModelConfig.bos_token_id`), the
+  request's prompt, then its outputs; a step feeds each row exactly the tokens the policy
+  scheduled for it;
 - a step's seconds run from the end of the previous step to the end of this one, and
   split into device time (the forward and the sampling kernels: their wall time on the
   CPU, CUDA events on a GPU) and host time (the rest), so the two sum to the step;
@@ -27,8 +28,6 @@ from labkit.engine.timing import DeviceTimer
 from labkit.sched import Request, SchedulerState, StepLog
 from labkit.sched.state import Batch
 from labkit.traffic import Trace
-
-BOS_TOKEN = 0
 
 
 def busy_python(seconds: float) -> None:
@@ -60,7 +59,7 @@ class TorchSteps:
     def prompt(self, index: int) -> list[int]:
         """The begin-of-sequence token and the prompt: the trace's ids if it has them, else drawn."""
         if self.trace.prompt_tokens:
-            return [BOS_TOKEN, *self.trace.prompt_tokens[index].tolist()]
+            return [self.engine.config.bos_token_id, *self.trace.prompt_tokens[index].tolist()]
         return self.engine.prompt_ids(int(self.trace.ids[index]), int(self.trace.prompt_lengths[index]))
 
     def execute(self, state: SchedulerState, batch: Batch, log: StepLog) -> float:
@@ -71,7 +70,8 @@ class TorchSteps:
         prepared = time.perf_counter()
         emitting = self._emitting(rows)
         device_start = self.timer.mark()
-        sampled = self._forward(step_batch)[emitting].argmax(dim=-1)  # (E,)
+        logits = self._forward(step_batch)[emitting]  # (E, vocab)
+        sampled = self._sample(logits, [rows[i][0] for i in emitting])  # (E,)
         device_end = self.timer.mark()
         tokens = sampled.tolist()  # waits for the device
         computed = time.perf_counter()
@@ -102,6 +102,10 @@ class TorchSteps:
     def _emitting(rows: list[tuple[Request, int]]) -> list[int]:
         """The rows whose step leaves none of their tokens uncomputed: they sample a token."""
         return [i for i, (request, n) in enumerate(rows) if n and n == request.num_uncomputed]
+
+    def _sample(self, logits, requests: list[Request]):
+        """(E,) greedy tokens from (E, vocab) logits, one row per emitting request."""
+        return logits.argmax(dim=-1)
 
     def _forward(self, step_batch: StepBatch):
         """(num_rows, vocab) logits: replayed from a CUDA graph for a decode step when there are graphs."""

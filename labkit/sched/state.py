@@ -24,7 +24,8 @@ Invariants:
   its head; under a policy with a `queue_order`, it is sorted by that instead;
 - a request's counters change in two places only: `apply` (release, preempt, admit)
   and `complete` (a step done). Nothing else moves them (the fast-forward moves them as
-  that many `complete` calls would), and no number reads a clock.
+  that many `complete` calls would), and no number reads a clock. Its `output_len` changes
+  only in `stop`, an online server's early end (an EOS), down to what it has produced.
 
 Both back ends apply a policy's `Decision` through `SchedulerState.apply`, so slot
 placement (lowest free slot first) and preemption are done in one place.
@@ -263,6 +264,15 @@ class SchedulerState:
         else:
             self.waiting.remove(request)
         del self.by_id[request_id]
+
+    def stop(self, request_id: int) -> None:
+        """End a running request at the outputs it has (it sampled an end-of-sequence token): its
+        output length becomes what it has produced, so it is finished, and a decision releases its
+        slot and KV blocks as any finished request's."""
+        request = self._lookup(request_id, "stop")
+        if request.slot < 0 or not 0 < request.num_generated < request.output_len:
+            raise ValueError(f"cannot stop request {request_id}: it is not running with an output")
+        request.output_len = request.num_generated
 
     def place(self, request: Request, slot: int) -> None:
         """Seat `request` in free `slot` (admission does this with the lowest free slot)."""

@@ -1,11 +1,16 @@
-"""A byte-level tokenizer, so `labkit serve` can take a prompt as a string.
+"""Tokenizers, so `labkit serve` can take a prompt as a string and answer with text.
 
-TinyGPT's weights are random, so no tokenizer is more "right" than another; this one is
-the simplest that round-trips: the UTF-8 bytes b of a string become token ids b + 1, and
-id 0 stays the begin-of-sequence token. Decoding reads each id on its own: ids 1..256 as
-the Latin-1 character of byte id - 1, and ids past 256, which have no byte, as U+FFFD.
+TinyGPT's weights are random, so no tokenizer is more "right" than another; this module's
+own (`encode`, `decode`) is the simplest that round-trips: the UTF-8 bytes b of a string
+become token ids b + 1, and id 0 stays the begin-of-sequence token. Decoding reads each id
+on its own: ids 1..256 as the Latin-1 character of byte id - 1, and ids past 256, which have
+no byte, as U+FFFD. A checkpoint brings its own tokenizer (`ModelTokenizer`). The API takes
+either: anything with `encode(text)` and `decode(token_ids)`.
 
-Invariant: decode(encode(text)) == text for ASCII text, and encode never yields 0.
+Invariants: decode(encode(text)) == text for ASCII text, and encode never yields 0; neither
+tokenizer's `encode` adds a begin-of-sequence token (the engine puts the model's first); for
+a byte-level tokenizer (this module's, Llama 3's) the pieces a `TextStream` gives add up to
+the decoded text of all its tokens.
 """
 
 from __future__ import annotations
@@ -25,3 +30,47 @@ def decode_token(token_id: int) -> str:
 
 def decode(token_ids: list[int]) -> str:
     return "".join(decode_token(token_id) for token_id in token_ids)
+
+
+class ModelTokenizer:
+    """A checkpoint's own tokenizer (a transformers one), as the API uses it: text to ids without
+    special tokens, and ids to text without them, as `transformers serve` decodes."""
+
+    def __init__(self, hf_tokenizer):
+        self.hf_tokenizer = hf_tokenizer
+
+    def encode(self, text: str) -> list[int]:
+        return self.hf_tokenizer.encode(text, add_special_tokens=False)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.hf_tokenizer.decode(token_ids, skip_special_tokens=True)
+
+
+class TextStream:
+    """The text of a growing list of token ids, piece by piece, as a stream sends it, decoded in a
+    short window as vLLM's incremental detokenizer does: each piece is what the tokens since the
+    last piece add to the text of the token before them (a token alone may decode differently,
+    e.g. a word's leading space). A piece that ends in U+FFFD, a character whose bytes have not
+    all come, or that adds nothing, waits for the next token, or for `rest`."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.token_ids: list[int] = []
+        self.context_start = 0  # the window: the last token sent, as context ...
+        self.unsent_start = 0  # ... then the tokens not sent yet
+
+    def add(self, token_id: int) -> str:
+        self.token_ids.append(token_id)
+        piece = self._unsent()
+        if not piece or piece.endswith(NO_BYTE):
+            return ""
+        self.context_start, self.unsent_start = self.unsent_start, len(self.token_ids)
+        return piece
+
+    def rest(self) -> str:
+        """The text not sent yet (what waited for more bytes)."""
+        return self._unsent()
+
+    def _unsent(self) -> str:
+        context = self.tokenizer.decode(self.token_ids[self.context_start : self.unsent_start])
+        return self.tokenizer.decode(self.token_ids[self.context_start :])[len(context) :]
