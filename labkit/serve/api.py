@@ -1,19 +1,40 @@
 """The OpenAI-compatible HTTP API in front of an `OnlineEngine`, following vLLM's conventions.
 
-- `POST /v1/completions`: `prompt` as token ids or a string (`labkit.serve.tokenizer`),
+- `POST /v1/completions`: `prompt` as token ids or a string (encoded by the served model's
+  tokenizer: a checkpoint's own, or TinyGPT's byte-level one, `labkit.serve.tokenizer`),
   `max_tokens`, `stream` (server-sent events, one token per chunk, each chunk's choice with
-  its `token_ids`), `stream_options.include_usage`, and vLLM's `ignore_eos` and
-  `min_tokens`. labkit's engine never stops early: every request gets exactly
-  `max_tokens` tokens, so `ignore_eos` is always in effect and `min_tokens` is met.
+  its `token_ids` and the text it adds), `stream_options.include_usage`, and vLLM's
+  `ignore_eos` and `min_tokens`. A request ends at the model's EOS (`finish_reason`
+  "stop", the EOS its last token) unless `ignore_eos`, and never before `min_tokens`
+  tokens; otherwise, and always for TinyGPT, which has no EOS, it gets exactly
+  `max_tokens` tokens ("length").
   vLLM's `priority`, a JSON integer (default 0, lower is served first), goes with the
   request into the scheduler: `labkit serve --policy priority` orders its queue by it,
   other policies carry it along unread.
-- `GET /v1/models`, `GET /health`, and `GET /metrics` (Prometheus, `labkit.serve.metrics`).
+- `GET /v1/models`, `GET /health` (503 once the engine's thread has failed or stopped), and
+  `GET /metrics` (Prometheus, `labkit.serve.metrics`).
 
-Invariants: a bad request gets HTTP 400 with an OpenAI-style error body (`object: "error"`,
-a message naming the field and value) and changes nothing; a client that disconnects
-mid-stream has its request aborted, so its slot and KV blocks return at the engine's next
-step; the engine's thread starts with the app and stops with it.
+Requests are read strictly: each field has its JSON type (no "4" for 4, no true for 1),
+`max_tokens` >= 1, 0 <= `min_tokens` <= `max_tokens`, `prompt` a string that UTF-8 can
+encode or a list of whole numbers (an empty one too: every sequence starts with the
+begin-of-sequence token, and the lab's traces have zero-length prompts), `seed` a whole
+number, ignored (greedy decoding is deterministic). The engine decodes greedily, so each
+sampling field in `GREEDY_ONLY` is refused unless absent, null, or at the value that means
+greedy: temperature 0, top_p 1, top_k -1 or 0, min_p 0, n 1, best_of 1, logprobs and
+prompt_logprobs null, echo false, stop and stop_token_ids [], suffix null, logit_bias {},
+presence_penalty and frequency_penalty 0, repetition_penalty 1. Other fields that OpenAI
+clients send (`user`, ...) are accepted and ignored.
+
+Invariants: every error is an OpenAI-style body (`labkit.serve.guards.error`: `object:
+"error"`, `message`, `type`, `param`, `code`) whose message names the field and at most a
+short prefix of the value, and a refused request changes nothing: 400 for a bad request
+(JSON that is malformed, not UTF-8 or nested too deep included), 404 for an unknown model
+(as vLLM) or route, 405 for a wrong method, 503 when the engine cannot take the request now
+(`Unavailable`); `labkit.serve.guards` adds 401, 408 and 413. A client that disconnects,
+mid-stream or while it waits for a whole completion, has its request aborted, so its slot
+and KV blocks return at the engine's next step. A request the engine aborts at shutdown, or
+loses when the engine fails, ends with an error: in a stream an error chunk and then
+`data: [DONE]`, otherwise a 503. The engine's thread starts with the app and stops with it.
 """
 
 from __future__ import annotations
@@ -27,60 +48,160 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from starlette.exceptions import HTTPException
 
-from labkit.serve import tokenizer
-from labkit.serve.online import Client, OnlineEngine
+from labkit.serve import tokenizer as byte_tokenizer
+from labkit.serve.guards import SHOWN_CHARACTERS, RequestGuard, error, error_body, shown
+from labkit.serve.limits import Limits
+from labkit.serve.online import Client, OnlineEngine, Unavailable
+from labkit.serve.tokenizer import TextStream
 
 FINISHED = object()  # the end of a request's token queue
 
 
+# Finish reasons of a request the engine could not finish, and what its client is told
+INTERRUPTED = {"abort": "the server is shutting down", "error": "the engine stopped after an error"}
+
+
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
     include_usage: bool = False
 
 
-class CompletionRequest(BaseModel):
-    """The fields labkit reads; others that OpenAI clients send are accepted and ignored."""
+def checked_prompt(prompt):
+    """`prompt` if it is text UTF-8 can encode or a list of token ids; else a ValueError saying why."""
+    if isinstance(prompt, str):
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as bad:
+            raise ValueError(f"character {bad.start} is {prompt[bad.start]!r}, a lone surrogate, which is not "
+                             "valid Unicode") from None
+        return prompt
+    if not isinstance(prompt, list):
+        raise ValueError(f"must be a string or a list of token ids, not {shown(prompt)}")
+    for position, token in enumerate(prompt):
+        if type(token) is not int:
+            raise ValueError(f"position {position} holds {shown(token)}, not a token id (a whole number)")
+    return prompt
 
-    model_config = ConfigDict(extra="allow")
+
+class CompletionRequest(BaseModel):
+    """The fields labkit reads, each of its own JSON type; the sampling fields (`GREEDY_ONLY`)
+    and others that OpenAI clients send are kept as extras."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
     model: str
     prompt: list[int] | str
-    max_tokens: int = Field(16)
+    max_tokens: int = Field(16, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
-    priority: int = Field(0, strict=True)  # a JSON integer: neither 1.5, "1" nor true
+    min_tokens: int = Field(0, ge=0)
+    priority: int = 0  # a JSON integer: neither 1.5, "1" nor true
+    seed: int | None = None  # accepted and ignored: greedy decoding is deterministic
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def text_or_token_ids(cls, prompt):
+        return checked_prompt(prompt)
 
 
-def error(message: str, status: int = 400, kind: str = "BadRequestError", param: str | None = None) -> JSONResponse:
-    return JSONResponse({"object": "error", "message": message, "type": kind, "param": param, "code": status},
-                        status_code=status)
+def _is_number(value, target: float) -> bool:
+    return type(value) in (int, float) and value == target
 
 
-def make_app(online: OnlineEngine, model_name: str) -> FastAPI:
-    """The API serving `online` under `model_name`; the engine's thread runs while the app does."""
+# The sampling fields of OpenAI's completions API, and vLLM's: what each may be besides null
+# (None: only null), and the test of a value that means greedy decoding
+GREEDY_ONLY = {
+    "temperature": ("0", lambda value: _is_number(value, 0)),
+    "top_p": ("1", lambda value: _is_number(value, 1)),
+    "top_k": ("-1 or 0", lambda value: type(value) is int and value in (-1, 0)),
+    "min_p": ("0", lambda value: _is_number(value, 0)),
+    "n": ("1", lambda value: type(value) is int and value == 1),
+    "best_of": ("1", lambda value: type(value) is int and value == 1),
+    "logprobs": (None, lambda value: False),
+    "prompt_logprobs": (None, lambda value: False),
+    "echo": ("false", lambda value: value is False),
+    "stop": ("[]", lambda value: value == []),
+    "stop_token_ids": ("[]", lambda value: value == []),
+    "suffix": (None, lambda value: False),
+    "logit_bias": ("{}", lambda value: value == {}),
+    "presence_penalty": ("0", lambda value: _is_number(value, 0)),
+    "frequency_penalty": ("0", lambda value: _is_number(value, 0)),
+    "repetition_penalty": ("1", lambda value: _is_number(value, 1)),
+}
+
+
+def unsupported_sampling(body: CompletionRequest) -> tuple[str, str] | None:
+    """(field, message) for the first sampling field that greedy decoding cannot honour; None if none."""
+    for field, (greedy, is_greedy) in GREEDY_ONLY.items():
+        value = (body.model_extra or {}).get(field)
+        if value is not None and not is_greedy(value):
+            allowed = "null" if greedy is None else f"{greedy} or null"
+            return field, (f"{field} = {shown(value)}: not supported, labkit serve decodes greedily; leave it out "
+                           f"or send {allowed}")
+    return None
+
+
+def unparsable(cause: BaseException) -> str:
+    """Why FastAPI could not read a body as JSON."""
+    if isinstance(cause, UnicodeDecodeError):
+        return f"the body is not valid JSON: it is not UTF-8 ({cause.reason} at byte {cause.start})"
+    if isinstance(cause, RecursionError):
+        return "the body is not valid JSON: it is nested too deeply"
+    return f"the body is not valid JSON ({type(cause).__name__})"
+
+
+async def client_leaves(request: Request) -> None:
+    """Returns once the client has gone away: once the body is read, uvicorn's next message is
+    the disconnect."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def make_app(online: OnlineEngine, model_name: str, tokenizer=byte_tokenizer, limits: Limits = Limits()) -> FastAPI:
+    """The API serving `online` under `model_name`, taking and giving text through `tokenizer`
+    (`encode(text)`, `decode(token_ids)`), behind `limits`' API key and body limits; the
+    engine's thread runs while the app does."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         online.start_thread()
         yield
-        num_aborted = await asyncio.to_thread(online.stop)
-        print(f"labkit serve: stopped after {len(online.step_sizes)} steps; {num_aborted} requests aborted", flush=True)
+        await asyncio.to_thread(online.stop)  # `guards.GracefulServer` has stopped it already, and said so
 
     app = FastAPI(title="labkit serve", lifespan=lifespan)
+    app.add_middleware(RequestGuard, limits=limits)
 
     @app.exception_handler(RequestValidationError)
     async def bad_body(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
         if first.get("type") == "json_invalid":
             return error(f"the body is not valid JSON: {first.get('ctx', {}).get('error', 'malformed')}", param="body")
-        where = ".".join(str(part) for part in first.get("loc", ())[1:]) or "body"
-        return error(f"{where}: {first.get('msg', 'malformed request body')} (got {first.get('input')!r})",
-                     param=where)
+        where = ".".join(str(part) for part in first.get("loc", ())[1:])[:SHOWN_CHARACTERS] or "body"
+        message = first.get("msg", "malformed request body")
+        if first.get("type") == "value_error":  # checked_prompt's message says what it got
+            return error(f"{where}: {message.removeprefix('Value error, ')}", param=where)
+        return error(f"{where}: {message} (got {shown(first.get('input'))})", param=where)
+
+    @app.exception_handler(HTTPException)
+    async def http_problem(request: Request, exc: HTTPException) -> JSONResponse:
+        if exc.status_code == 400 and exc.__cause__ is not None:  # FastAPI could not parse the body
+            return error(unparsable(exc.__cause__), param="body")
+        return error(f"{request.method} {shown(request.scope['path'])}: {exc.detail}", exc.status_code,
+                     headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def crashed(request: Request, exc: Exception) -> JSONResponse:
+        return error(f"internal error ({type(exc).__name__}); the server's log has the details", 500)
 
     @app.get("/health")
     async def health() -> Response:
+        if online.failure is not None:
+            return error(f"the engine stopped after an error: {shown(online.failure)}", 503)
+        if not online.is_running():
+            return error("the engine is not running", 503)
         return Response(status_code=200)
 
     @app.get("/v1/models")
@@ -95,19 +216,25 @@ def make_app(online: OnlineEngine, model_name: str) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         if body.model != model_name:
-            return error(f"model = {body.model!r}: this server serves {model_name!r}", param="model")
+            return error(f"model = {shown(body.model)}: this server serves {model_name!r}", 404, param="model")
+        if unsupported := unsupported_sampling(body):
+            field, message = unsupported
+            return error(message, param=field)
         prompt = tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else body.prompt
         if body.min_tokens > body.max_tokens:
             return error(f"min_tokens = {body.min_tokens} exceeds max_tokens = {body.max_tokens}", param="min_tokens")
-        completion = Completion(model_name, len(prompt))
+        completion = Completion(model_name, len(prompt), tokenizer)
         try:
-            completion.request_id = online.submit(prompt, body.max_tokens, completion.client(), body.priority)
-        except (ValueError, RuntimeError) as problem:
+            completion.request_id = online.submit(prompt, body.max_tokens, completion.client(), body.priority,
+                                                  ignore_eos=body.ignore_eos, min_tokens=body.min_tokens)
+        except Unavailable as problem:
+            return error(str(problem), 503)
+        except ValueError as problem:
             return error(str(problem))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         if body.stream:
             return StreamingResponse(completion.events(online, include_usage), media_type="text/event-stream")
-        return await completion.whole(online)
+        return await completion.whole(online, request)
 
     return app
 
@@ -115,8 +242,9 @@ def make_app(online: OnlineEngine, model_name: str) -> FastAPI:
 class Completion:
     """One request's tokens, from the engine's thread to the client's stream or answer."""
 
-    def __init__(self, model_name: str, num_prompt_tokens: int):
+    def __init__(self, model_name: str, num_prompt_tokens: int, tokenizer):
         self.id = f"cmpl-{uuid.uuid4().hex}"
+        self.tokenizer = tokenizer
         self.created = int(time.time())
         self.model_name, self.num_prompt_tokens = model_name, num_prompt_tokens
         self.request_id = -1
@@ -145,30 +273,51 @@ class Completion:
         """Server-sent events: a chunk per token, the usage if asked, then [DONE]. A client that
         leaves mid-stream aborts the request."""
         try:
+            text = TextStream(self.tokenizer)
             async for token in self.next_tokens():
-                yield self._event(self._choice([token], finish_reason=None))
-            yield self._event(self._choice([], finish_reason=self.finish_reason))
-            if include_usage:
-                yield self._event({"choices": [], "usage": self._usage()})
+                yield self._event(self._choice([token], text.add(token), finish_reason=None))
+            if self.finish_reason in INTERRUPTED:
+                yield f"data: {json.dumps({'error': error_body(self._interruption(), 503)})}\n\n"
+            else:
+                yield self._event(self._choice([], text.rest(), finish_reason=self.finish_reason))
+                if include_usage:
+                    yield self._event({"choices": [], "usage": self._usage()})
             yield "data: [DONE]\n\n"
         finally:
             if self.finish_reason is None:
                 online.abort(self.request_id)
 
-    async def whole(self, online: OnlineEngine) -> dict:
+    async def whole(self, online: OnlineEngine, request: Request) -> dict | Response:
+        """The completion once it is done. A client that leaves first aborts the request, as a
+        stream's does: the wait watches for its disconnect."""
+        gathering = asyncio.ensure_future(self._gather())
+        leaving = asyncio.ensure_future(client_leaves(request))
         try:
-            async for _ in self.next_tokens():
-                pass
+            await asyncio.wait((gathering, leaving), return_when=asyncio.FIRST_COMPLETED)
         finally:
+            gathering.cancel()
+            leaving.cancel()
             if self.finish_reason is None:
                 online.abort(self.request_id)
-        return {**self._head(), "choices": [self._choice(self.tokens, self.finish_reason)], "usage": self._usage()}
+        if self.finish_reason is None:  # the client left: nobody reads this
+            return Response(status_code=499)
+        if self.finish_reason in INTERRUPTED:
+            return error(self._interruption(), 503)
+        choice = self._choice(self.tokens, self.tokenizer.decode(self.tokens), self.finish_reason)
+        return {**self._head(), "choices": [choice], "usage": self._usage()}
+
+    async def _gather(self) -> None:
+        async for _ in self.next_tokens():
+            pass
+
+    def _interruption(self) -> str:
+        return f"{INTERRUPTED[self.finish_reason]}: the request ended after {len(self.tokens)} tokens"
 
     def _head(self) -> dict:
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model_name}
 
-    def _choice(self, tokens: list[int], finish_reason: str | None) -> dict:
-        return {"index": 0, "text": tokenizer.decode(tokens), "token_ids": tokens, "finish_reason": finish_reason}
+    def _choice(self, tokens: list[int], text: str, finish_reason: str | None) -> dict:
+        return {"index": 0, "text": text, "token_ids": tokens, "finish_reason": finish_reason}
 
     def _event(self, payload: dict) -> str:
         if "usage" not in payload:

@@ -12,14 +12,23 @@ Invariants:
 
 - a request is checked before it is queued (its prompt ids, its length against the model,
   its priority, `policy.check_fits`); a bad one raises a ValueError in the caller's thread
-  and never reaches the loop;
+  and never reaches the loop; a request the engine cannot take now (its queue holds
+  `max_waiting` requests, it is closing, or it has failed) raises `Unavailable`;
 - a request carries its priority (lower is served first, as vLLM's) into the state: a
   policy with a `queue_order` that reads it (`labkit.Priority`) orders the queue by it,
   any other policy ignores it;
-- each request gets exactly `max_tokens` tokens, greedy, each handed to `on_token` as
-  soon as its step ends, then `on_finish` once; an aborted request gets `on_finish` too;
+- each request gets `max_tokens` tokens, greedy, each handed to `on_token` as soon as its
+  step ends, then `on_finish` once ("length"); an aborted request gets `on_finish` too;
+- a request ends early ("stop") when it samples one of the model's EOS ids, unless it asked
+  to `ignore_eos`: the EOS is its last token, and `SchedulerState.stop` makes its output
+  length what it has produced, so the next decision frees its slot and KV blocks as any
+  finished request's. Before `min_tokens` outputs those ids are masked and never sampled
+  (as vLLM and transformers do). A model without EOS ids (TinyGPT) never stops early;
 - an aborted request leaves at the next decision point, and its slot and KV blocks return
   to the pool; when every request has finished or been aborted, the pool is full;
+- `stop` aborts what is still in flight and counts it (a client that left is not counted);
+  if a step raises, every request in flight gets `on_finish("error")`, `failure` keeps the
+  exception, the thread ends with it, and no request is taken again;
 - the clock is the wall clock, in seconds since the server started; when nothing can run
   the loop waits for a request (or the policy's wake-up time) instead of spinning.
 """
@@ -38,7 +47,7 @@ from labkit.engine.cuda_graphs import DecodeGraphs
 from labkit.engine.device import torch_threads
 from labkit.engine.kv import PagedKVCache
 from labkit.engine.runner import Engine
-from labkit.engine.steps import BOS_TOKEN, TorchSteps
+from labkit.engine.steps import TorchSteps
 from labkit.sched import BlockPool, Decision, Request, SchedulerState
 from labkit.sched.policy import check_policy
 from labkit.serve.metrics import ServerMetrics
@@ -46,12 +55,16 @@ from labkit.serve.metrics import ServerMetrics
 IDLE_WAIT_SECONDS = 1.0  # the longest the loop sleeps when nothing can run, before it looks again
 
 
+class Unavailable(RuntimeError):
+    """The engine cannot take a request now: its queue is full, it is closing, or it has failed."""
+
+
 @dataclass
 class Client:
     """Where a request's tokens go: called from the engine's thread."""
 
     on_token: Callable[[int], None]
-    on_finish: Callable[[str], None]  # with the finish reason: "length" or "abort"
+    on_finish: Callable[[str], None]  # the finish reason: "length", "stop" (an EOS), "abort" or "error"
     num_sent: int = 0
     last_token_at: float | None = None
 
@@ -73,23 +86,45 @@ class NoRecord:
         pass
 
 
+@dataclass(frozen=True)
+class EosRule:
+    """When a request may end before max_tokens: on sampling one of `token_ids` (the model's EOS
+    ids; none with ignore_eos), which cannot be sampled before it has `min_tokens` outputs."""
+
+    token_ids: tuple[int, ...] = ()
+    min_tokens: int = 0
+
+
 class OnlineSteps(TorchSteps):
-    """The engine's steps for requests that carry their own prompt ids."""
+    """The engine's steps for requests that carry their own prompt ids and EOS rules."""
 
     def __init__(self, engine: Engine, cache: PagedKVCache, graphs: DecodeGraphs | None):
         super().__init__(engine, cache, trace=None, graphs=graphs, progress=tqdm(disable=True))
         self.prompts: dict[int, list[int]] = {}  # request index -> BOS and prompt ids
+        self.eos_rules: dict[int, EosRule] = {}  # request index -> its rule
 
     def prompt(self, index: int) -> list[int]:
         return list(self.prompts[index])  # a copy: the sequence grows, the prompt does not
+
+    def _sample(self, logits, requests: list[Request]):
+        """Greedy, but a request short of its min_tokens cannot sample an EOS id."""
+        for row, request in enumerate(requests):
+            rule = self.eos_rules[request.index]
+            if rule.token_ids and request.num_generated < rule.min_tokens:
+                logits[row, list(rule.token_ids)] = float("-inf")  # (E, vocab): a copy of the forward's logits
+        return super()._sample(logits, requests)
 
 
 class OnlineEngine:
     """An engine serving requests as they arrive, one policy decision per step."""
 
-    def __init__(self, engine: Engine, policy, metrics: ServerMetrics | None = None):
+    def __init__(self, engine: Engine, policy, metrics: ServerMetrics | None = None,
+                 eos_token_ids: tuple[int, ...] = (), max_waiting: int | None = None):
+        """eos_token_ids: the model's end-of-sequence ids (a checkpoint's; TinyGPT has none);
+        max_waiting: the most requests that may wait for a slot (None: no limit)."""
         check_policy(policy)
-        self.engine, self.policy, self.metrics = engine, policy, metrics
+        self.engine, self.policy, self.metrics, self.max_waiting = engine, policy, metrics, max_waiting
+        self.eos_token_ids = tuple(eos_token_ids)
         max_blocks = -(-engine.config.max_seq_len // policy.block_size)
         self.blocks = BlockPool(policy.num_blocks or policy.num_slots * max_blocks, policy.block_size)
         cache = PagedKVCache(engine.config, self.blocks.num_blocks, policy.block_size, engine.device, engine.dtype)
@@ -103,27 +138,32 @@ class OnlineEngine:
         self._aborts: list[int] = []
         self._wake = threading.Condition()
         self._stopping = False
+        self._closed = False
         self._next_index = 0
         self._thread: threading.Thread | None = None
         self.num_aborted_at_stop = 0
+        self.failure: Exception | None = None  # what ended the engine's thread, if a step raised
 
     def now(self) -> float:
         return time.perf_counter() - self.start
 
     # The caller's side (any thread)
 
-    def submit(self, prompt_ids: list[int], max_tokens: int, client: Client, priority: int = 0) -> int:
+    def submit(self, prompt_ids: list[int], max_tokens: int, client: Client, priority: int = 0,
+               ignore_eos: bool = False, min_tokens: int = 0) -> int:
         """Queue a request with this priority (lower is served first by a policy that reads it);
-        returns its id. A ValueError names what is wrong with it."""
+        it may stop at an EOS after `min_tokens` outputs unless `ignore_eos`. Returns its id.
+        A ValueError names what is wrong with it; `Unavailable` says why none can be taken now."""
         self._check(prompt_ids, max_tokens, priority)
+        self._check_eos_rule(ignore_eos, min_tokens, max_tokens)
         with self._wake:
-            if self._stopping:
-                raise RuntimeError("the server is shutting down")
+            self._check_available()
             index = self._next_index
             self._next_index += 1
             request = Request(index, index, self.now(), len(prompt_ids), max_tokens, priority=priority)
             self.policy.check_fits(request)
-            self.steps.prompts[index] = [BOS_TOKEN, *prompt_ids]
+            self.steps.prompts[index] = [self.engine.config.bos_token_id, *prompt_ids]
+            self.steps.eos_rules[index] = EosRule(() if ignore_eos else self.eos_token_ids, min_tokens)
             self._clients[index] = client
             self._inbox.append(request)
             self._wake.notify()
@@ -139,9 +179,21 @@ class OnlineEngine:
         self._thread = threading.Thread(target=self.run, name="labkit-engine", daemon=True)
         self._thread.start()
 
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def num_in_flight(self) -> int:
+        """Requests taken and not yet finished or aborted."""
+        return len(self._clients)
+
+    def close(self) -> None:
+        """Take no more requests; the ones in flight run on."""
+        with self._wake:
+            self._closed = True
+
     def stop(self) -> int:
         """Take no more requests, abort the ones in flight, and let the loop end; returns how
-        many were aborted."""
+        many were aborted. Calling it again returns the same count."""
         with self._wake:
             self._stopping = True
             self._wake.notify()
@@ -149,32 +201,62 @@ class OnlineEngine:
             self._thread.join()
         return self.num_aborted_at_stop
 
+    def _check_available(self) -> None:
+        """Under `_wake`: an `Unavailable` when no request can be taken now."""
+        if self.failure is not None:
+            raise Unavailable(f"the engine stopped after an error ({type(self.failure).__name__}); restart the server")
+        if self._closed or self._stopping:
+            raise Unavailable("the server is shutting down")
+        num_waiting = len(self._inbox) + len(self.state.waiting)  # lengths: safe to read beside the engine's thread
+        if self.max_waiting is not None and num_waiting >= self.max_waiting:
+            raise Unavailable(f"{num_waiting} requests are waiting for a slot, the most this server queues "
+                              f"(max_waiting {self.max_waiting}); try again later")
+
     def _check(self, prompt_ids: list[int], max_tokens: int, priority: int) -> None:
         vocab_size, max_seq_len = self.engine.config.vocab_size, self.engine.config.max_seq_len
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise ValueError(f"max_tokens = {max_tokens!r}: must be a whole number >= 1")
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority = {priority!r}: must be a whole number (lower is served first)")
+        if len(prompt_ids) + max_tokens > max_seq_len:  # first: a huge prompt is refused before its ids are read
+            raise ValueError(f"prompt of {len(prompt_ids)} tokens + max_tokens {max_tokens} exceed the model's "
+                             f"max_seq_len {max_seq_len}")
         for position, token in enumerate(prompt_ids):
             if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab_size:
                 raise ValueError(f"prompt token {token!r} at position {position} is outside the vocabulary "
                                  f"(0..{vocab_size - 1})")
-        if len(prompt_ids) + max_tokens > max_seq_len:
-            raise ValueError(f"prompt of {len(prompt_ids)} tokens + max_tokens {max_tokens} exceed the model's "
-                             f"max_seq_len {max_seq_len}")
+
+    @staticmethod
+    def _check_eos_rule(ignore_eos: bool, min_tokens: int, max_tokens: int) -> None:
+        if not isinstance(ignore_eos, bool):
+            raise ValueError(f"ignore_eos = {ignore_eos!r}: must be true or false")
+        if isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or not 0 <= min_tokens <= max_tokens:
+            raise ValueError(f"min_tokens = {min_tokens!r}: must be a whole number in 0..max_tokens ({max_tokens})")
 
     # The engine's thread
 
     def run(self) -> None:
-        """The serving loop, until `stop`."""
-        with torch.inference_mode(), torch_threads(self.engine.threads):
-            while self._take_in():
-                decision, batch = self._decide()
-                if batch.size:
-                    self._step(batch)
-                else:
-                    self._idle(decision)
-            self._abort_everyone()
+        """The serving loop, until `stop`; a step that raises ends it (`_fail`)."""
+        try:
+            with torch.inference_mode(), torch_threads(self.engine.threads):
+                while self._take_in():
+                    decision, batch = self._decide()
+                    if batch.size:
+                        self._step(batch)
+                    else:
+                        self._idle(decision)
+                self._abort_everyone()
+        except Exception as problem:
+            self._fail(problem)
+            raise  # the thread's traceback, once, in the server's log
+
+    def _fail(self, problem: Exception) -> None:
+        """Tell every request in flight that the engine failed, and take none again."""
+        with self._wake:
+            self.failure = problem
+            clients, self._clients = self._clients, {}
+        for client in clients.values():
+            client.on_finish("error")
 
     def _take_in(self) -> bool:
         """Move new and aborted requests into the state; False once stopping."""
@@ -206,13 +288,18 @@ class OnlineEngine:
         self.state.allocate(batch)
         self.steps.execute(self.state, batch, NoRecord())
         self.step_sizes.append(batch.size)
-        for request, _ in batch.rows:
-            self._send_new_tokens(request.index)
-        for index in self.state.complete(batch):
+        sampled = {request.index: self._send_new_tokens(request.index) for request, _ in batch.rows}
+        finished = self.state.complete(batch)
+        for index in finished:
             self._clients.pop(index).on_finish("length")
+        for index, tokens in sampled.items():
+            if tokens and tokens[-1] in self.steps.eos_rules[index].token_ids and index not in finished:
+                self.state.stop(index)
+                self._clients.pop(index).on_finish("stop")
         self._publish_state()
 
-    def _send_new_tokens(self, index: int) -> None:
+    def _send_new_tokens(self, index: int) -> list[int]:
+        """Hand the request's tokens sampled since the last call to its client; returns them."""
         client, sequence = self._clients[index], self.steps.sequences[index]
         new = sequence[len(self.steps.prompts[index]) + client.num_sent :]
         moment = self.now()
@@ -222,6 +309,7 @@ class OnlineEngine:
             client.on_token(token)
             client.num_sent += 1
             client.last_token_at = moment
+        return new
 
     def _observe_latency(self, index: int, client: Client, moment: float) -> None:
         if client.last_token_at is None:
@@ -242,6 +330,7 @@ class OnlineEngine:
     def _drop_tokens(self, index: int) -> None:
         self.steps.sequences.pop(index, None)
         self.steps.prompts.pop(index, None)
+        self.steps.eos_rules.pop(index, None)
 
     def _idle(self, decision: Decision) -> None:
         """Nothing runs: wait for a request, an abort, the policy's wake-up time or a stop."""
@@ -261,6 +350,7 @@ class OnlineEngine:
 
     def _abort_everyone(self) -> None:
         """On stop: every request still waiting or running is aborted, and every slot freed."""
+        self._take_in()  # the last arrivals, and the aborts of clients that left: those are not counted
         self.num_aborted_at_stop = len(self._clients)
         for index in list(self._clients):
             self._abort(index)

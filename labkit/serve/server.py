@@ -1,4 +1,11 @@
-"""`labkit serve`: TinyGPT behind the OpenAI-compatible API, with the lab's own policies.
+"""`labkit serve [MODEL_DIR]`: TinyGPT, or a local Llama checkpoint, behind the OpenAI-compatible
+API, with the lab's own policies.
+
+MODEL_DIR, as `vllm serve DIR` takes it, is a Hugging Face model directory that
+`labkit.engine.checkpoint` loads (what it supports, and refuses, is said there); the
+served name is then MODEL_DIR as given, and prompts and answers go through the model's own
+tokenizer. Without it, the seeded TinyGPT is served under the name tinygpt, with the
+byte-level tokenizer. --model-name overrides either name.
 
 The knobs carry the policies' names; each maps to a `vllm serve` flag (README):
 --slots (--max-num-seqs), --blocks (--num-gpu-blocks-override), --block-size
@@ -6,8 +13,11 @@ The knobs carry the policies' names; each maps to a `vllm serve` flag (README):
 (--enable-chunked-prefill), --policy priority (--scheduling-policy priority: each
 request's `priority` field orders the queue). --policy spf admits the shortest predicted
 output first, its predictor off by a factor e^(--noise * z); vLLM has no such policy.
-uvicorn serves the app; on SIGINT or SIGTERM it stops taking requests, lets open streams
-finish for a few seconds, and the engine aborts what is left.
+uvicorn serves the app behind `labkit.serve.guards`, so that a class can share one server:
+--api-key (as vLLM's), --max-waiting, --max-body-bytes, --max-connections and --read-timeout
+(`labkit.serve.limits`). On SIGINT or SIGTERM it stops taking requests, lets the open ones
+finish for 5 s, then the engine aborts the rest, each ending with an error, and the log
+says how many; a second SIGINT skips what is left of the 5 s.
 
 The parser needs only the standard library, so `labkit demo` works without the `serve`
 extra; the serving stack (torch, FastAPI, uvicorn, prometheus-client) is imported when
@@ -17,8 +27,10 @@ a server is built.
 from __future__ import annotations
 
 import argparse
+import os
 
 import labkit as lk
+from labkit.serve.limits import Limits
 
 ITERATION_LEVEL = {"continuous": lk.Continuous, "priority": lk.Priority, "spf": lk.ShortestPredictedFirst}
 POLICIES = (*ITERATION_LEVEL, "static", "dynamic")
@@ -27,7 +39,6 @@ POLICIES_HELP = ("the scheduling policy (default continuous): continuous (first 
                  "(shortest predicted output first), static (whole batches), dynamic (batches that wait up to "
                  "--timeout to fill)")
 DEFAULT_MODEL_NAME = "tinygpt"
-GRACEFUL_SHUTDOWN_SECONDS = 5
 
 
 def policy_from(args: argparse.Namespace):
@@ -49,14 +60,37 @@ def policy_from(args: argparse.Namespace):
     return lk.Dynamic(num_slots=args.slots, timeout=args.timeout, **pool)
 
 
-def build_server(engine, policy, model_name: str = DEFAULT_MODEL_NAME):
-    """(app, online engine): the API for `engine` (a labkit Engine) scheduled by `policy`."""
+def build_server(engine, policy, model_name: str = DEFAULT_MODEL_NAME, checkpoint=None, limits: Limits = Limits()):
+    """(app, online engine): the API for `engine` (a labkit Engine) scheduled by `policy`, under
+    `limits`. With a `checkpoint` (`labkit.engine.checkpoint.Checkpoint`, the engine's model) text
+    goes through its tokenizer and requests stop at its EOS ids; without, through the byte-level
+    tokenizer, never early. `labkit.serve.guards.make_server` serves the app."""
+    from labkit.serve import tokenizer
     from labkit.serve.api import make_app
     from labkit.serve.metrics import ServerMetrics
     from labkit.serve.online import OnlineEngine
 
-    online = OnlineEngine(engine, policy, ServerMetrics(model_name))
-    return make_app(online, model_name), online
+    eos_token_ids = checkpoint.eos_token_ids if checkpoint else ()
+    online = OnlineEngine(engine, policy, ServerMetrics(model_name), eos_token_ids, limits.max_waiting)
+    text_tokenizer = tokenizer.ModelTokenizer(checkpoint.tokenizer) if checkpoint else tokenizer
+    return make_app(online, model_name, text_tokenizer, limits), online
+
+
+def engine_from(args: argparse.Namespace):
+    """(engine, checkpoint): MODEL_DIR's model and its checkpoint, or the seeded TinyGPT and None."""
+    from labkit.engine import Engine, ModelConfig
+    from labkit.engine.checkpoint import load_checkpoint
+
+    if args.model_dir is None:
+        config = ModelConfig() if args.max_model_len is None else ModelConfig(max_seq_len=args.max_model_len)
+        return Engine(config, device=args.device, seed=args.seed, threads=args.threads), None
+    checkpoint = load_checkpoint(args.model_dir, max_seq_len=args.max_model_len)
+    return Engine(model=checkpoint.model, device=args.device, threads=args.threads), checkpoint
+
+
+def model_name_from(args: argparse.Namespace) -> str:
+    """The served model's name: --model-name, else MODEL_DIR as given (as vLLM names it), else tinygpt."""
+    return args.model_name or args.model_dir or DEFAULT_MODEL_NAME
 
 
 def add_policy_knobs(parser, whole_number, number, slots: int | None) -> None:
@@ -81,34 +115,70 @@ def add_policy_knobs(parser, whole_number, number, slots: int | None) -> None:
 
 def add_serve_parser(commands, whole_number, number) -> argparse.ArgumentParser:
     parser = commands.add_parser(
-        "serve", help="serve TinyGPT behind an OpenAI-compatible API, with continuous batching",
-        description="Serve TinyGPT over HTTP (POST /v1/completions, GET /v1/models, /health, /metrics), "
-        "scheduling every step with a labkit policy.",
+        "serve", help="serve TinyGPT or a local Llama model behind an OpenAI-compatible API, with continuous "
+        "batching",
+        description="Serve TinyGPT, or the Llama model in MODEL_DIR, over HTTP (POST /v1/completions, "
+        "GET /v1/models, /health, /metrics), scheduling every step with a labkit policy.",
     )
+    parser.add_argument("model_dir", nargs="?", default=None, metavar="MODEL_DIR", help="a local Hugging Face "
+                        "directory of a Llama-architecture model (config.json, *.safetensors, tokenizer files); "
+                        "default: the seeded TinyGPT")
     add_policy_knobs(parser, whole_number, number, slots=8)
     parser.add_argument("--device", default="auto", metavar="{auto,cpu,cuda,mps}", help="where the model runs")
     parser.add_argument("--threads", type=whole_number(1), default=None, help="torch CPU threads")
-    parser.add_argument("--seed", type=whole_number(0), default=0, help="seed of the model's weights (default 0)")
-    parser.add_argument("--model-name", default=DEFAULT_MODEL_NAME, help=f"the served model's name (default "
-                        f"{DEFAULT_MODEL_NAME})")
+    parser.add_argument("--seed", type=whole_number(0), default=0, help="seed of TinyGPT's weights (default 0)")
+    parser.add_argument("--model-name", default=None, help=f"the served model's name (default: MODEL_DIR as "
+                        f"given, else {DEFAULT_MODEL_NAME})")
+    parser.add_argument("--max-model-len", type=whole_number(1), default=None, help="the longest sequence "
+                        "(prompt + output) served, as vLLM's --max-model-len (default: the model's)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=whole_number(1), default=8000, help="port to listen on (default 8000)")
+    add_limit_flags(parser, whole_number, number)
     return parser
 
 
-def serve_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    """Build the engine and the policy `args` describe, and serve until interrupted."""
-    import uvicorn
+def add_limit_flags(parser, whole_number, number) -> None:
+    """The flags of `Limits`: an API key, and limits on the queue, the body, connections and slowness."""
+    default = Limits()
+    parser.add_argument("--api-key", default=os.environ.get("LABKIT_API_KEY"), metavar="KEY", help="require the "
+                        "header 'Authorization: Bearer KEY' on every path but /health and /metrics, as vllm serve "
+                        "--api-key does (default: $LABKIT_API_KEY, else no key)")
+    parser.add_argument("--max-waiting", type=whole_number(1), default=default.max_waiting, help="requests that "
+                        f"may wait for a slot; one more gets HTTP 503 (default {default.max_waiting})")
+    parser.add_argument("--max-body-bytes", type=whole_number(1), default=default.max_body_bytes, help="the "
+                        "largest request body; a larger one gets HTTP 413 before it is parsed (default "
+                        f"{default.max_body_bytes}, 4 MiB)")
+    parser.add_argument("--max-connections", type=whole_number(1), default=default.max_connections, help="open "
+                        "connections; one more is closed as soon as it is accepted (default "
+                        f"{default.max_connections}, fewer if the open-file limit is lower)")
+    parser.add_argument("--read-timeout", type=number(0), default=default.read_timeout, help="seconds a "
+                        "connection may take to send a request's head, then as many for its body (else HTTP 408) "
+                        f"(default {default.read_timeout:g})")
 
-    from labkit.engine import Engine, ModelConfig
+
+def limits_from(args: argparse.Namespace) -> Limits:
+    """The limits the command line asks for; a ValueError names a bad one."""
+    return Limits(api_key=args.api_key, max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
+                  max_connections=args.max_connections, read_timeout=args.read_timeout)
+
+
+def serve_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """Build the engine, the policy and the limits `args` describe, and serve until interrupted."""
+    from labkit.serve.guards import make_server, max_open_connections, raise_open_file_limit
 
     try:
         policy = policy_from(args)
-        engine = Engine(ModelConfig(), device=args.device, seed=args.seed, threads=args.threads)
+        limits = limits_from(args)
+        raise_open_file_limit()
+        max_open_connections(limits.max_connections)  # a ValueError if the open-file limit leaves no room
+        engine, checkpoint = engine_from(args)
     except ValueError as problem:
         parser.error(str(problem))
-    app, _ = build_server(engine, policy, args.model_name)
-    print(f"serving {args.model_name} ({engine}) with {policy!r} on http://{args.host}:{args.port}", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
-                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS)
+    model_name = model_name_from(args)
+    app, online = build_server(engine, policy, model_name, checkpoint, limits)
+    print(f"serving {model_name} ({engine}) with {policy!r} on http://{args.host}:{args.port}", flush=True)
+    try:
+        make_server(app, online, limits, args.host, args.port).run()
+    except KeyboardInterrupt:  # uvicorn raises the SIGINT it caught again once it has shut down
+        pass
     return 0

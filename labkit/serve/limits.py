@@ -1,0 +1,38 @@
+"""The limits that let a class share one `labkit serve`: who may send requests, how many
+may wait, how large and how slow a request may be, how many connections may be open, and
+how long open requests get at shutdown. `labkit.serve.guards` and the online engine enforce
+them; each has a `labkit serve` flag (README).
+
+Standard library only, so `labkit serve --help` needs nothing else.
+
+Invariant: a `Limits` holds only values the server can honour: whole numbers >= 1, timeouts
+> 0, and an API key that is absent or not empty; anything else is a ValueError naming the field.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+MIB = 2**20
+
+
+@dataclass(frozen=True)
+class Limits:
+    api_key: str | None = None  # without it, anyone who reaches the port may use the API
+    max_waiting: int = 512  # requests waiting for a slot; one more gets HTTP 503
+    max_body_bytes: int = 4 * MIB  # a larger request body gets HTTP 413 before it is parsed
+    max_connections: int = 1000  # open at once (fewer when the open-file limit is lower)
+    read_timeout: float = 10.0  # seconds to send a request's head, and then its body
+    shutdown_grace: float = 5.0  # seconds open requests get to finish at shutdown
+
+    def __post_init__(self):
+        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
+            raise ValueError(f"api_key = {self.api_key!r}: must be a non-empty string, or None for no key")
+        for field in fields(self):
+            value = getattr(self, field.name)
+            if field.type == "int" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{field.name} = {value!r}: must be a whole number >= 1")
+            if field.type == "float" and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                          or not math.isfinite(value) or value <= 0):
+                raise ValueError(f"{field.name} = {value!r}: must be a number of seconds > 0")
