@@ -15,7 +15,6 @@ import asyncio
 import datetime
 import json
 import platform
-import socket
 import statistics
 import threading
 import time
@@ -27,6 +26,7 @@ import labkit as lk
 from labkit.engine import Engine, ModelConfig
 from labkit.serve.guards import make_server
 from labkit.serve.limits import Limits
+from labkit.serve.processes import free_port
 from labkit.serve.server import build_server
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -35,9 +35,7 @@ QUIET_PROMPT, QUIET_TOKENS = list(range(1, 17)), 16  # the quiet client's reques
 
 def serve() -> tuple[str, object, threading.Thread]:
     """(url, uvicorn server, its thread) of `labkit serve`'s default TinyGPT with 8 slots."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     limits = Limits(shutdown_grace=0.1)
     app, online = build_server(Engine(ModelConfig(), device="cpu", seed=0, threads=1), lk.Continuous(num_slots=8),
                                limits=limits)

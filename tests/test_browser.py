@@ -13,7 +13,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -25,6 +24,7 @@ from pathlib import Path
 import plotly
 import pytest
 
+from labkit.serve.processes import free_port
 from tests.test_html_export import IGNORE_UNDRAWN_PLOTLY, LESSON, export_html
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,12 +74,6 @@ def page(browser):
     context.set_default_timeout(TIMEOUT_MS)
     yield context.new_page()
     context.close()
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 LAB_SETTINGS = {

@@ -87,17 +87,9 @@ def test_loaded_checkpoints_give_transformers_greedy_tokens(directories, expecte
 def test_decodes_replayed_as_cuda_graphs_give_the_same_tokens(directories, expected, monkeypatch):
     """Grouped-query decode steps through `DecodeGraphs`' buckets and static buffers (the CPU's
     stand-in capture; `labkit.engine.cuda_graphs`)."""
-    from labkit.engine import runner
-    from labkit.engine.cuda_graphs import DecodeGraphs, eager_capture
+    from tests.test_cuda_graphs import record_graph_replays
 
-    replays = []
-
-    class Recorded(DecodeGraphs):
-        def __call__(self, batch):
-            replays.append(batch.num_requests)
-            return super().__call__(batch)
-
-    monkeypatch.setattr(runner, "DecodeGraphs", lambda model, cache: Recorded(model, cache, capture=eager_capture))
+    replays = record_graph_replays(monkeypatch)
     model = load_checkpoint(directories["gqa, head_dim 32"]).model
     assert engine_greedy(model, PROMPTS, NUM_OUT, cuda_graphs=True) == expected["gqa, head_dim 32"]
     assert sum(replays) > len(PROMPTS)  # decode steps replayed, several requests each

@@ -58,6 +58,22 @@ def compare(model, capture, sizes, device="cpu"):
     return graphs
 
 
+def record_graph_replays(monkeypatch) -> list[int]:
+    """Have the engine's decode graphs capture on the CPU's stand-in and note each replay's
+    batch size in the list returned."""
+    from labkit.engine import runner
+
+    replays = []
+
+    class Recorded(DecodeGraphs):
+        def __call__(self, batch):
+            replays.append(batch.num_requests)
+            return super().__call__(batch)
+
+    monkeypatch.setattr(runner, "DecodeGraphs", lambda model, cache: Recorded(model, cache, capture=eager_capture))
+    return replays
+
+
 def test_replayed_decodes_equal_the_plain_forward():
     model = TinyGPT(CONFIG, seed=0).eval()
     graphs = compare(model, eager_capture, sizes=[3, 1, 5, 8, 2, 5, 7])
@@ -68,20 +84,11 @@ def test_replayed_decodes_equal_the_plain_forward():
                                     lk.Continuous(3, num_blocks=9, block_size=4)], ids=repr)
 def test_an_engine_that_replays_decodes_gives_the_same_tokens(policy, monkeypatch):
     """The engine's own use of graphs (decodes replayed, prefills eager), on the CPU's stand-in capture."""
-    from labkit.engine import runner
-
     trace = lk.Trace.from_lengths([12, 10, 14, 9, 11], prompt_lengths=[6, 7, 5, 8, 3])
     plain = Engine(CONFIG, device="cpu", seed=0).run(trace, policy, progress=False)
     engine = Engine(CONFIG, device="cpu", seed=0)
     engine.cuda_graphs = True
-    replays = []
-
-    class Recorded(DecodeGraphs):
-        def __call__(self, batch):
-            replays.append(batch.num_requests)
-            return super().__call__(batch)
-
-    monkeypatch.setattr(runner, "DecodeGraphs", lambda model, cache: Recorded(model, cache, capture=eager_capture))
+    replays = record_graph_replays(monkeypatch)
     assert engine.run(trace, policy, progress=False).outputs == plain.outputs
     assert len(replays) == int((plain.prefill_tokens.sum(axis=1) == 0).sum()) > 0  # every pure decode step, no other
 

@@ -31,8 +31,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 import labkit as lk
 from labkit.sched import metrics
-from labkit.serve.replay import (PromptTexts, ScrapedSeries, byte_text, parse_metrics, plain_pieces, prompt_ids,
-                                 refusals, replay, text_of_length)
+from labkit.serve.replay import (NOTE_WIDTH, PromptTexts, ScrapedSeries, byte_text, parse_metrics, plain_pieces,
+                                 prompt_ids, refusals, replay, text_of_length)
 from labkit.serve.replay_cli import add_replay_parser, replay_command
 
 MODEL = "stand-in"
@@ -305,7 +305,7 @@ def test_a_server_without_metrics_gives_an_empty_series_and_says_so_once(stand_i
     assert log.failures == [] and len(log.server) == 0 and log.server.running.shape == (0,)
     note = f"{stand_in.url}/metrics: HTTP 404, so no gauge series (log.server is empty)"
     assert log.notes == (note,) and log.fallbacks == ()
-    assert capsys.readouterr().err == f"labkit replay: {note}\n"
+    assert capsys.readouterr().err.replace("\n  ", " ") == f"labkit replay: {note}\n"
 
 
 def test_a_metrics_page_without_vllm_s_gauges_gives_an_empty_series_and_says_so(stand_in):
@@ -517,7 +517,10 @@ def test_a_server_that_refuses_the_length_fields_and_token_ids_gets_neither_from
         "labkit's byte-level text, one ASCII byte per prompt token: prompt lengths are approximate unless the "
         "server's tokenizer is byte-level (tokenizer=, or --tokenizer DIR, makes them exact)",
     )
-    assert capsys.readouterr().err == "".join(f"labkit replay: {note}\n" for note in log.notes)  # each said once
+    said = "".join(f"labkit replay: {note}\n" for note in log.notes)  # each said once, wrapped to the note width
+    err = capsys.readouterr().err
+    assert err.replace("\n  ", " ") == said and max(map(len, err.splitlines())) <= NOTE_WIDTH
+    assert max(map(len, said.splitlines())) > NOTE_WIDTH  # the control: unwrapped, the lines are longer
     sends = sends_by_length(stand_in)
     first = sends[5][0]  # the first request sent: before any refusal, as to any server
     assert first["prompt"] == prompt_ids(0, 3) and first["ignore_eos"] is True and first["min_tokens"] == 5

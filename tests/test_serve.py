@@ -9,7 +9,6 @@ import asyncio
 import contextlib
 import json
 import re
-import socket
 import threading
 import time
 
@@ -22,18 +21,13 @@ from labkit.engine import Engine, ModelConfig
 from labkit.serve import tokenizer
 from labkit.serve.guards import make_server
 from labkit.serve.limits import Limits
+from labkit.serve.processes import free_port
 from labkit.serve.server import build_server
 
 TINY = ModelConfig(vocab_size=300, d_model=32, n_layers=2, n_heads=2, d_ff=64, max_seq_len=128)
 POLICY = lk.Continuous(num_slots=4, num_blocks=64, block_size=4, max_tokens_per_step=32, chunked_prefill=True)
 MODEL = "tiny"
 QUICK_STOP = Limits(shutdown_grace=0.5)  # a test that stops its server waits half a second for what is in flight
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 class Served:

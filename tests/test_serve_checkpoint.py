@@ -11,10 +11,6 @@ import asyncio
 import contextlib
 import json
 import shutil
-import signal
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 
@@ -27,9 +23,10 @@ from labkit.cli import build_parser
 from labkit.engine.model import ModelConfig
 from labkit.engine.peers import save_llama_dir
 from labkit.serve.server import build_server, engine_from, model_name_from, policy_from
+from labkit.serve.processes import free_port, start_labkit_serve
 from labkit.serve.tokenizer import ModelTokenizer, TextStream
 
-from hf_servers import free_port, transformers_serve
+from hf_servers import transformers_serve
 
 transformers = pytest.importorskip("transformers")
 
@@ -51,23 +48,10 @@ def model_dir(tmp_path_factory):
 
 @contextlib.contextmanager
 def labkit_serve(directory):
-    """`labkit serve DIR` in a subprocess on a free loopback port; yields its URL; interrupted at the end."""
-    port = free_port()
-    with tempfile.TemporaryFile("w+") as stderr:
-        server = subprocess.Popen([sys.executable, "-m", "labkit", "serve", str(directory), "--port", str(port),
-                                   "--device", "cpu", "--threads", "1", "--slots", "4"],
-                                  stdout=subprocess.DEVNULL, stderr=stderr)
-        try:
-            url = f"http://127.0.0.1:{port}"
-            deadline = time.monotonic() + START_TIMEOUT_S
-            while not answers_health(url):
-                stderr.seek(0)
-                assert server.poll() is None and time.monotonic() < deadline, f"labkit serve: {stderr.read()}"
-                time.sleep(0.1)
-            yield url
-        finally:
-            server.send_signal(signal.SIGINT)
-            server.wait(timeout=30)
+    """`labkit serve DIR` in a subprocess on a free loopback port; yields its URL; stopped at the end."""
+    with start_labkit_serve(str(directory), "--device", "cpu", "--threads", "1", "--slots", "4",
+                            model=str(directory)) as server:
+        yield server.wait_until_healthy().url
 
 
 def answers_health(url: str) -> bool:

@@ -184,6 +184,17 @@ def test_the_api_key_guards_every_path_but_health_and_metrics(guarded):
     assert post(guarded.url, prompt=[5], max_tokens=1).status_code == 200
 
 
+def test_a_replay_sends_the_api_key_it_is_given(guarded):
+    trace = lk.Trace.from_lengths([2, 3])
+    keyed = lk.replay(trace, url=guarded.url, model=MODEL, api_key=KEY, progress=False)
+    assert keyed.failures == [] and keyed.num_tokens == 5
+    keyless = lk.replay(trace, url=guarded.url, model=MODEL, progress=False)  # the control
+    assert [request for request, _ in keyless.failures] == [0, 1]
+    assert "HTTP 401: this server needs an API key" in keyless.failures[0][1]
+    with pytest.raises(ValueError, match="api_key = '': must be a non-empty string, or None for no key"):
+        lk.replay(trace, url=guarded.url, model=MODEL, api_key="")
+
+
 def test_a_request_beyond_max_waiting_gets_a_503_and_the_rest_are_served():
     server = Served(lk.Continuous(num_slots=1), limits=Limits(max_waiting=2, shutdown_grace=0.5))
     gate = StepGate(server.online)

@@ -122,6 +122,15 @@ def byte_level_tokenizer():
 def save_llama_dir(directory, config, seed: int = 0, initializer_range: float = 0.02) -> None:
     """Write a local Hugging Face model directory: `transformers_llama(config, seed, initializer_range)`'s
     weights (safetensors), its config.json and the byte-level tokenizer. Any server that loads a
-    Llama directory (`labkit serve DIR`, `transformers serve DIR`) then serves the same weights."""
-    transformers_llama(config, seed, initializer_range).save_pretrained(directory)
+    Llama directory (`labkit serve DIR`, `transformers serve DIR`) then serves the same weights.
+    transformers' progress bar for writing the weights stays off."""
+    from transformers.utils import logging as hf_logging
+
+    bar_was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        transformers_llama(config, seed, initializer_range).save_pretrained(directory)
+    finally:
+        if bar_was_on:
+            hf_logging.enable_progress_bar()
     byte_level_tokenizer().save_pretrained(directory)

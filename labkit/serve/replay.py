@@ -56,6 +56,7 @@ import json
 import math
 import os
 import sys
+import textwrap
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -78,6 +79,7 @@ REFUSAL_STATUSES = (400, 422)
 PRINTABLE_IDS = range(byte_encode(" ")[0], byte_encode("~")[0] + 1)  # labkit's ids of printable ASCII
 MAX_PIECES = 256  # plain tokens a tokenizer's prompt texts are built from
 MAX_TEXT_ROUNDS = 16  # decode-encode rounds to reach an exact token count
+NOTE_WIDTH = 100  # characters per line of a note, which a terminal or a notebook shows whole
 
 
 def prompt_ids(request_id: int, prompt_len: int, seed: int = 0, vocab_size: int = 512) -> list[int]:
@@ -275,6 +277,7 @@ def replay(
     seed: int = 0,
     vocab_size: int = 512,
     tokenizer=None,
+    api_key: str | None = None,
     connect_timeout: float = 5.0,
     read_timeout: float = 300.0,
     scrape_interval: float = 0.1,
@@ -291,12 +294,16 @@ def replay(
     does. tokenizer: for a server that refuses token-id prompts (`transformers serve`), a local
     Hugging Face tokenizer directory (loaded offline with AutoTokenizer) or tokenizer object, the
     server's own: each prompt is then sent as text of exactly its length in those tokens; without
-    one, as labkit's byte-level text, of approximate length. connect_timeout: seconds to connect;
+    one, as labkit's byte-level text, of approximate length. api_key: sent as a Bearer token, for
+    a server started with an API key (`labkit serve --api-key`, `vllm serve --api-key`).
+    connect_timeout: seconds to connect;
     read_timeout: seconds to wait for the next bytes of an answer (the first token included).
     scrape_interval: seconds between scrapes of /metrics.
     """
     _check_arguments(trace, model, url, max_concurrency, requests, seed, vocab_size, rate_scale=rate_scale,
                      connect_timeout=connect_timeout, read_timeout=read_timeout, scrape_interval=scrape_interval)
+    if api_key is not None and (not isinstance(api_key, str) or not api_key):
+        raise ValueError(f"api_key = {api_key!r}: must be a non-empty string, or None for no key")
     texts = PromptTexts(tokenizer)
     if requests is not None:
         trace = trace.select(np.arange(min(requests, len(trace))))
@@ -304,7 +311,8 @@ def replay(
     prompts = ([p.tolist() for p in trace.prompt_tokens] if trace.prompt_tokens else
                [prompt_ids(int(i), int(n), seed, vocab_size) for i, n in zip(trace.ids, trace.prompt_lengths)])
     run = _Replay(trace, prompts, texts, url.rstrip("/"), model, max_concurrency,
-                  httpx.Timeout(connect_timeout, read=read_timeout, pool=None), scrape_interval)
+                  httpx.Timeout(connect_timeout, read=read_timeout, pool=None), scrape_interval,
+                  {"Authorization": f"Bearer {api_key}"} if api_key else {})
     with tqdm(total=int(trace.output_lengths.sum()), unit="tok", disable=not progress, leave=False) as bar:
         _run_in_worker_thread(run, bar)
     return run.log()
@@ -354,9 +362,10 @@ class _Replay:
     the caller reads it once that thread has ended."""
 
     def __init__(self, trace: Trace, prompts: list[list[int]], texts: PromptTexts, url: str, model: str,
-                 max_concurrency: int | None, timeout: httpx.Timeout, scrape_interval: float):
+                 max_concurrency: int | None, timeout: httpx.Timeout, scrape_interval: float, headers: dict[str, str]):
         self.trace, self.prompts, self.texts, self.url, self.model = trace, prompts, texts, url, model
         self.max_concurrency, self.timeout, self.scrape_interval = max_concurrency, timeout, scrape_interval
+        self.headers = headers  # sent with every request: the API key, if any
         self.sent_at = np.full(len(trace), np.nan)
         self.tokens_at: list[list[float]] = [[] for _ in range(len(trace))]
         self.token_ids: list[list[int]] = [[] for _ in range(len(trace))]
@@ -378,7 +387,7 @@ class _Replay:
         """Say `text` once, on stderr beside the progress bar, and keep it for the log."""
         if text not in self.notes:
             self.notes.append(text)
-            tqdm.write(f"labkit replay: {text}", file=sys.stderr)
+            tqdm.write(textwrap.fill(f"labkit replay: {text}", NOTE_WIDTH, subsequent_indent="  "), file=sys.stderr)
 
     # The event loop's side
 
@@ -387,7 +396,7 @@ class _Replay:
         self.origin = time.perf_counter()
         slots = asyncio.Semaphore(self.max_concurrency) if self.max_concurrency else contextlib.nullcontext()
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=self.max_concurrency)
-        async with httpx.AsyncClient(timeout=self.timeout, limits=limits) as client:
+        async with httpx.AsyncClient(timeout=self.timeout, limits=limits, headers=self.headers) as client:
             scraper = asyncio.create_task(self._scrape(client))
             try:
                 await asyncio.gather(*(self._request(client, i, slots, bar) for i in range(len(self.trace))))

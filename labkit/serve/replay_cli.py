@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import os
 
 import numpy as np
 
@@ -76,6 +77,11 @@ def add_replay_parser(commands) -> argparse.ArgumentParser:
         "(transformers serve), each prompt is sent as text of exactly its length in these tokens (default: "
         "labkit's byte-level text, approximate lengths)",
     )
+    parser.add_argument(
+        "--api-key", metavar="KEY", default=os.environ.get("LABKIT_API_KEY") or os.environ.get("OPENAI_API_KEY"),
+        help="sent as a Bearer token, for a server started with an API key (default: $LABKIT_API_KEY, else "
+        "$OPENAI_API_KEY, else none)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     prediction = parser.add_argument_group(
         "prediction beside measurement", "with --slots, also simulate the replayed trace under the policy these "
@@ -91,7 +97,7 @@ def replay_command(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     trace, description = load_replay_trace(args, parser)
     try:
         log = replay(trace, url=args.url, model=args.model, rate_scale=args.rate_scale,
-                     max_concurrency=args.max_concurrency, seed=args.seed, tokenizer=args.tokenizer,
+                     max_concurrency=args.max_concurrency, seed=args.seed, tokenizer=args.tokenizer, api_key=args.api_key,
                      progress=not args.no_progress)
     except ValueError as error:
         parser.error(str(error))

@@ -1,0 +1,125 @@
+"""Servers in processes of their own, as they run on a serving box: `labkit serve` and
+`transformers serve`, each started on a free loopback port, waited for until GET /health
+answers, and stopped at the end. Lessons, benchmarks and tests start them so.
+
+    with start_labkit_serve("--slots", "8") as labkit, start_transformers_serve(directory) as hf:
+        labkit.wait_until_healthy(), hf.wait_until_healthy()  # both load at once
+        lk.replay(trace, url=hf.url, model=hf.model, tokenizer=directory)
+
+`transformers serve DIR --continuous-batching --device cpu --dtype float32` runs offline
+(HF_HUB_OFFLINE=1), with its KV cache given (`--cb-block-size`, `--cb-num-blocks`) and its
+tokens per step (`--cb-max-batch-tokens`): sized from free memory instead, its cache takes
+10-14 s to set up on the first request on a CPU. It needs the `test` extra's accelerate and
+openai. What it is, checked on transformers 5.24: it serves /v1/completions, /v1/models and
+/health, and no /metrics; a request's model name is DIR exactly as given on its command line;
+it refuses unknown fields (ignore_eos, min_tokens, priority: HTTP 422) and token-id prompts
+(HTTP 400); it streams text, one chunk per token that decodes to something, then a chunk with
+the finish_reason and the usage, and no [DONE].
+
+Invariants: a server that exits, or stays silent past the timeout, fails `wait_until_healthy`
+with a RuntimeError that ends with its stderr; leaving the `with` block (or `stop`) ends the
+process, with SIGTERM first, as a process manager stops a server (both shut down
+gracefully on it; `transformers serve` does not stop on SIGINT), and a kill after `STOP_TIMEOUT_S`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+START_TIMEOUT_S = 120.0  # seconds for a server to load its model and answer /health
+STOP_TIMEOUT_S = 30.0  # seconds a server may take to stop after SIGTERM before it is killed
+STDERR_SHOWN = 3000  # characters of a server's stderr that a failure to start shows
+
+
+def free_port() -> int:
+    """A TCP port free on the loopback interface right now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class ServerProcess:
+    """A server running `command` in a subprocess, listening on `port`: its `name` for messages,
+    its base `url`, the `model` name requests send, and the process, whose stderr is kept in a
+    temporary file."""
+
+    def __init__(self, name: str, command: list[str], port: int, model: str, env: dict[str, str] | None = None):
+        self.name, self.url, self.model, self.command = name, f"http://127.0.0.1:{port}", model, command
+        self._stderr = tempfile.TemporaryFile("w+")
+        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=self._stderr,
+                                        env={**os.environ, **(env or {})})
+
+    def __repr__(self) -> str:
+        state = "running" if self.process.poll() is None else f"exited {self.process.returncode}"
+        return f"ServerProcess({self.name} at {self.url}, model {self.model!r}, {state})"
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def wait_until_healthy(self, timeout: float = START_TIMEOUT_S) -> ServerProcess:
+        """Return once GET /health answers 200; a server that exits or stays silent fails."""
+        deadline = time.monotonic() + timeout
+        while self.process.poll() is None and time.monotonic() < deadline:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return self
+            time.sleep(0.1)
+        why = (f"exited with code {self.process.returncode}" if self.process.poll() is not None
+               else f"no answer after {timeout:g} s")
+        raise RuntimeError(f"{self.name} at {self.url}: {why} from /health; its stderr ends:\n"
+                           f"{self.stderr()[-STDERR_SHOWN:]}")
+
+    def stderr(self) -> str:
+        """What the server has written to stderr so far."""
+        self._stderr.flush()
+        self._stderr.seek(0)
+        return self._stderr.read()
+
+    def stop(self) -> int:
+        """Terminate the server, kill it if it has not stopped in time; its exit code."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._stderr.close()
+        return self.process.returncode
+
+
+def start_labkit_serve(*args: str, model: str = "tinygpt") -> ServerProcess:
+    """`labkit serve ARGS` with this interpreter on a free port; `model` is the name it serves
+    (`--model-name`, or MODEL_DIR as given when ARGS name one)."""
+    port = free_port()
+    return ServerProcess("labkit serve", [sys.executable, "-m", "labkit", "serve", *args, "--port", str(port)], port,
+                         model)
+
+
+def start_transformers_serve(directory: str | os.PathLike, *, block_size: int = 16, num_blocks: int = 256,
+                             max_batch_tokens: int = 256, threads: int | None = None) -> ServerProcess:
+    """`transformers serve DIRECTORY --continuous-batching` on the CPU on a free port, offline; its
+    model name is the directory as given. block_size, num_blocks: its KV cache; max_batch_tokens:
+    tokens per step; threads: torch's CPU threads in it (OMP_NUM_THREADS; None: its default)."""
+    executable = Path(sys.executable).parent / "transformers"
+    if not executable.exists():
+        raise RuntimeError(f"{executable}: no `transformers` command beside this Python; install transformers")
+    port = free_port()
+    command = [str(executable), "serve", str(directory), "--continuous-batching", "--device", "cpu", "--dtype",
+               "float32", "--cb-block-size", str(block_size), "--cb-num-blocks", str(num_blocks),
+               "--cb-max-batch-tokens", str(max_batch_tokens), "--host", "127.0.0.1", "--port", str(port)]
+    env = {"HF_HUB_OFFLINE": "1", **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
+    return ServerProcess("transformers serve", command, port, str(directory), env)
