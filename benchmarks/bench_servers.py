@@ -1,0 +1,100 @@
+"""Two real servers on the same weights: `labkit serve DIR` against `transformers serve DIR
+--continuous-batching`, measured by the same replay client on the same traffic.
+
+Both load one Hugging Face directory: TinyGPT's default shape saved as a Llama
+(`labkit.engine.peers.save_llama_dir`) with a 128-token vocabulary of ASCII bytes, so that
+every token is one character and a text stream's chunks are tokens. Both get the same knobs
+where they have one (16-token KV blocks, 512 of them, 256 tokens a step; labkit's 8 slots
+have no transformers flag: it caps a batch at 1,024 requests by default) and one torch thread.
+A third server, labkit's with 24 slots (as many as the traffic has requests), takes the slot
+cap away. It measures each, taking turns, `--repeats` times:
+
+- lesson 09's traffic: the first 24 Azure conversation requests that fit, outputs capped at
+  32 tokens, 32 times faster than they came (tokens/s, TTFT, ITL);
+- a lone request (a 16-token prompt, 64 tokens out): its median ITL is one decode step of one
+  request on each server, with nothing else to schedule;
+- eight such requests sent at once: their median ITL is a decode step of eight.
+
+Results go to benchmarks/results/servers-<device>.json; lesson 09 quotes their range.
+Run: `python benchmarks/bench_servers.py` (about a minute on a 2-core CPU).
+"""
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import torch
+import transformers
+
+import labkit as lk
+from labkit.engine import ModelConfig
+from labkit.engine.peers import save_llama_dir
+from labkit.serve.processes import start_labkit_serve, start_transformers_serve
+
+RESULTS = Path(__file__).resolve().parent / "results"
+CONFIG = ModelConfig(vocab_size=128)  # TinyGPT's shape, ASCII bytes only
+KNOBS = ["--blocks", "512", "--block-size", "16", "--budget", "256", "--chunked-prefill"]
+SLOTS, NO_CAP = 8, 24  # labkit's slot cap in lesson 09, and one that never binds on its 24 requests
+
+
+def lesson_trace() -> lk.Trace:
+    """Lesson 09's traffic, before its rate scale: 24 Azure conversation requests, outputs capped at 32."""
+    azure = lk.Trace.azure_conv()
+    fits = np.flatnonzero(azure.prompt_lengths + np.minimum(azure.output_lengths, 32) <= CONFIG.max_seq_len)[:24]
+    trace = azure.select(fits)
+    return replace(trace, output_lengths=np.minimum(trace.output_lengths, 32))
+
+
+def measure(server, directory: str) -> dict:
+    """One replay of the lesson's traffic and one lone request against `server`."""
+    replay = dict(url=server.url, model=server.model, tokenizer=directory, vocab_size=CONFIG.vocab_size,
+                  progress=False)
+    log = lk.replay(lesson_trace(), rate_scale=32, **replay)
+    lone = lk.replay(lk.Trace.from_lengths([64], prompt_lengths=[16]), **replay)
+    eight = lk.replay(lk.Trace.from_lengths([64] * 8, prompt_lengths=[16] * 8), **replay)
+    assert not (log.failures or lone.failures or eight.failures), (log.failures, lone.failures, eight.failures)
+    row = lk.metrics.summary(log)
+    return {"tokens_per_s": row["tokens/s"], "ttft_p50_s": row["TTFT p50 (s)"], "ttft_p99_s": row["TTFT p99 (s)"],
+            "itl_p50_ms": row["ITL p50 (ms)"], "lone_itl_p50_ms": lk.metrics.summary(lone)["ITL p50 (ms)"],
+            "eight_itl_p50_ms": lk.metrics.summary(eight)["ITL p50 (ms)"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="tinygpt-llama-") as directory:
+        save_llama_dir(directory, CONFIG, seed=0)
+        labkit = ("--device", "cpu", "--threads", "1", *KNOBS)
+        with (start_labkit_serve(directory, "--slots", str(SLOTS), *labkit, model=directory) as ours,
+              start_labkit_serve(directory, "--slots", str(NO_CAP), *labkit, model=directory) as uncapped,
+              start_transformers_serve(directory, num_blocks=512, max_batch_tokens=256, threads=1) as theirs):
+            servers = {f"labkit serve --slots {SLOTS}": ours, f"labkit serve --slots {NO_CAP}": uncapped,
+                       "transformers serve": theirs}
+            for server in servers.values():
+                server.wait_until_healthy()
+            runs = {name: [] for name in servers}
+            for _ in range(args.repeats):
+                for name, server in servers.items():
+                    runs[name].append(measure(server, directory))
+                    print(name, runs[name][-1], flush=True)
+    result = {"date": datetime.date.today().isoformat(), "processor": platform.machine(),
+              "cpus": os.cpu_count(), "torch": torch.__version__, "transformers": transformers.__version__,
+              "knobs": " ".join(KNOBS), "runs": runs,
+              "range": {name: {key: [min(r[key] for r in rows), max(r[key] for r in rows)] for key in rows[0]}
+                        for name, rows in runs.items()}}
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / "servers-cpu.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result["range"], indent=2))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
