@@ -33,9 +33,9 @@ import numpy as np
 import torch
 
 import labkit as lk
+from labkit.analysis.host import schedule_seconds
+from labkit.analysis.lanes import overlap_speedup, two_lanes
 from labkit.engine import Engine, ModelConfig
-from labkit.sched.host import schedule_seconds
-from labkit.sched.lanes import overlap_speedup, two_lanes
 
 RESULTS = Path(__file__).resolve().parent / "results"
 BATCH_SIZES = (8, 32, 64)

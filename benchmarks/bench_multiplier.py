@@ -2,7 +2,7 @@
 
 One backlogged trace per configuration (every request waiting at t = 0; 8 * B0 requests;
 exponential outputs, mean 24, capped at 112; 16-token prompts), served within one KV
-memory (`labkit.sched.multiplier.Memory`): a pool of B0 * 144 tokens, in which a system
+memory (`labkit.analysis.multiplier.Memory`): a pool of B0 * 144 tokens, in which a system
 without paging reserves 144 tokens a request (BOS + 16 prompt tokens + up to 112 outputs,
 rounded up to whole 16-token blocks), so it holds B0 requests; the paged system holds up
 to 8 * B0. Five runs on one random Llama (`transformers_llama(ModelConfig(), seed=0)`,
@@ -42,15 +42,16 @@ from pathlib import Path
 import torch
 
 import labkit as lk
+from labkit.sched.blocks import num_blocks_for
 from labkit.engine import Engine, ModelConfig, TinyGPT
 from labkit.engine.device import default_threads
 from labkit.engine.peers import generate_static, transformers_llama
-from labkit.sched.multiplier import KINDS, Memory, Multiplier, take_apart
+from labkit.analysis.multiplier import KINDS, Memory, Multiplier, take_apart
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ENGINE_COST = RESULTS / "engine-cost.json"  # this engine's one price, from fit_engine_cost.py
 PROMPT_LEN, MEAN_OUTPUT, MAX_OUTPUT, BLOCK = 16, 24, 112, 16
-RESERVE = -(-(1 + PROMPT_LEN + MAX_OUTPUT) // BLOCK) * BLOCK  # 144: BOS + prompt + longest output, whole blocks
+RESERVE = num_blocks_for(1 + PROMPT_LEN + MAX_OUTPUT, BLOCK) * BLOCK  # 144: BOS + prompt + longest output, whole blocks
 NAME = "batched"  # the implementation under test: labkit's engine with batched attention
 COUNTED = ("baseline batch", "refill", "memory")  # the factors that count steps, equal on every back end
 

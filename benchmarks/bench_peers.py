@@ -39,6 +39,7 @@ import torch
 from transformers import ContinuousBatchingConfig, GenerationConfig
 
 import labkit as lk
+from labkit.sched.blocks import num_blocks_for
 from labkit.engine import Engine, ModelConfig, TinyGPT
 from labkit.engine.attention import ATTENTION_LAYOUTS
 from labkit.engine.device import default_threads
@@ -78,7 +79,7 @@ def hf_continuous(model, prompts: list[list[int]], trace: lk.Trace, batch_size: 
     large as labkit's, a token budget that admits B whole prompts at once, and no prefix sharing."""
     longest = max(len(p) + int(n) for p, n in zip(prompts, trace.output_lengths))
     config = ContinuousBatchingConfig(
-        max_requests_per_batch=batch_size, page_size=PAGE_SIZE, num_blocks=batch_size * -(-longest // PAGE_SIZE),
+        max_requests_per_batch=batch_size, page_size=PAGE_SIZE, num_blocks=batch_size * num_blocks_for(longest, PAGE_SIZE),
         max_batch_tokens=batch_size * max(map(len, prompts)), allow_block_sharing=False, safety_margin=0.0,
         auto_switch_to_flash=False,
     )

@@ -26,8 +26,8 @@ import numpy as np
 import torch
 
 import labkit as lk
+from labkit.analysis import CostFit
 from labkit.engine import Engine
-from labkit.sched import CostFit
 
 RESULTS = Path(__file__).resolve().parent / "results"
 WORK = ("num_prefill_tokens", "num_decode_tokens", "num_kv_tokens", "num_rows", "host_seconds", "device_seconds",

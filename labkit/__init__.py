@@ -1,6 +1,7 @@
 """labkit: predict, run and see iteration-level scheduling (continuous batching).
 
-Layers, each importing only those before it: traffic, theory -> sched -> engine, viz.
+Layers, each importing only those before it: traffic, theory -> sched -> analysis -> engine, viz.
+`lk.CostModel` is `labkit.analysis`'s: the simulator's price (`labkit.sched.cost`) plus `fit`.
 Importing labkit loads numpy only; `labkit.viz` loads plotly and ipywidgets, and
 `labkit.replay` httpx, when first used.
 """
@@ -8,8 +9,9 @@ Importing labkit loads numpy only; `labkit.viz` loads plotly and ipywidgets, and
 import importlib
 
 from labkit import theory
-from labkit.sched import (Continuous, CostModel, Decision, Dynamic, Priority, SchedulerState, ShortestPredictedFirst,
-                          Static, StepLog, hardware, metrics, multiplier, simulate)
+from labkit.analysis import CostModel, hardware, metrics, multiplier
+from labkit.sched import (Continuous, Decision, Dynamic, Priority, SchedulerState, ShortestPredictedFirst, Static,
+                          StepLog, simulate)
 from labkit.traffic import Trace
 
 __all__ = [

@@ -7,7 +7,7 @@ from dataclasses import fields
 import pytest
 
 import labkit as lk
-from labkit.sched.hardware import A100_40GB, GPT3_175B, OPT_13B, GPU, Model, kv_pool_tokens, roofline_cost
+from labkit.analysis.hardware import A100_40GB, GPT3_175B, OPT_13B, GPU, Model, kv_pool_tokens, roofline_cost
 
 # the published figures, written out here rather than read back from the module
 A100_BANDWIDTH, A100_FLOPS, A100_MEMORY = 1.555e12, 312e12, 40e9

@@ -1,11 +1,11 @@
-"""Two lanes, host and device (labkit.sched.lanes): the source text's arithmetic, exactly."""
+"""Two lanes, host and device (labkit.analysis.lanes): the source text's arithmetic, exactly."""
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from labkit.sched.lanes import Lanes, overlap_speedup, two_lanes
+from labkit.analysis.lanes import Lanes, overlap_speedup, two_lanes
 
 
 def test_two_ms_of_host_and_five_of_device_idle_the_device_two_sevenths():

@@ -12,8 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import labkit as lk
+from labkit.sched.blocks import num_blocks_for
 from labkit.engine import Engine, ModelConfig
-from labkit.sched.multiplier import KINDS, Memory, Multiplier, predict, take_apart
+from labkit.analysis.multiplier import KINDS, Memory, Multiplier, predict, take_apart
 
 TOY = lk.Trace.from_lengths([2, 6, 3, 8, 2, 4, 5, 2])
 TOY_MEMORY = Memory(pool_tokens=16, reserve_tokens=8, max_slots=8, block_size=1)  # B0 = 2; the paged pool holds 16
@@ -153,7 +154,7 @@ def cases(draw):
     reserve = draw(st.integers(longest, longest + 20))
     block_size = draw(st.integers(1, 8))
     # a pool of whole blocks, so the paged pool holds any request that fits `reserve`
-    pool = block_size * draw(st.integers(-(-reserve // block_size), -(-reserve * 8 // block_size)))
+    pool = block_size * draw(st.integers(num_blocks_for(reserve, block_size), num_blocks_for(reserve * 8, block_size)))
     b0 = pool // reserve
     baseline_slots = draw(st.one_of(st.none(), st.integers(1, b0)))
     max_slots = draw(st.integers(b0, b0 + 12))  # paging holds at least what reservations do

@@ -51,9 +51,11 @@ def test_pre_commit_strips_notebooks_as_run_notebooks_does_and_lints_them():
 
 def test_pure_layers_import_no_heavy_library():
     code = (
-        "import sys, labkit.sched, labkit.sched.overlap, labkit.sched.lanes, labkit.sched.host, labkit.theory,"
-        " labkit.traffic, labkit, labkit.serve, labkit.serve.tokenizer;"
+        "import sys, labkit.sched, labkit.sched.overlap, labkit.analysis, labkit.analysis.lanes, labkit.analysis.host,"
+        " labkit.analysis.ordering, labkit.analysis.tradeoff, labkit.theory, labkit.traffic, labkit, labkit.serve,"
+        " labkit.serve.tokenizer;"
         "print(sorted({'torch', 'plotly', 'ipywidgets'} & set(sys.modules)))"
     )
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert loaded.strip() == "[]"
+

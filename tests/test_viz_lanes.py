@@ -4,8 +4,7 @@ import numpy as np
 import pytest
 
 import labkit as lk
-from labkit.sched.lanes import Lanes, two_lanes
-from labkit.viz.lanes import idle_stretches, layout_summary
+from labkit.analysis.lanes import Lanes, idle_stretches, layout_summary, two_lanes
 
 
 def traces_by(fig, name, row):

@@ -5,17 +5,8 @@ import plotly.graph_objects as go
 import pytest
 
 import labkit as lk
-from labkit.viz.latency import (
-    TradeoffPoint,
-    dominates,
-    dominators,
-    goodput_bars,
-    label_positions,
-    latency_tradeoff,
-    pareto_optimal,
-    step_times,
-    tradeoff_point,
-)
+from labkit.analysis.tradeoff import TradeoffPoint, dominates, dominators, pareto_optimal, tradeoff_point
+from labkit.viz.latency import goodput_bars, label_positions, latency_tradeoff, step_times
 
 COST = lk.CostModel(overhead=2e-3, per_prefill_token=1e-4, per_decode_token=5e-4, per_kv_token=0.0)
 SLOWER = lk.CostModel(overhead=4e-3, per_prefill_token=2e-4, per_decode_token=1e-3, per_kv_token=0.0)  # COST, doubled

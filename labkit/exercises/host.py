@@ -2,15 +2,15 @@
 take turns, and when they overlap.
 
 Invariants: the expected answer, and every number a verdict quotes, comes from
-`labkit.sched.lanes` when asked; nothing is written down.
+`labkit.analysis.lanes` when asked; nothing is written down.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from labkit.analysis.lanes import two_lanes
 from labkit.exercises.feedback import NumberPair
-from labkit.sched.lanes import two_lanes
 
 
 @dataclass(frozen=True)

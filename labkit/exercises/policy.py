@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from labkit.checks import whole_number
 from labkit.exercises.feedback import (
     BadAnswer,
     Question,
@@ -71,8 +72,7 @@ class RefillPolicy:
     def __post_init__(self):
         if not callable(self.refill):
             raise ValueError(f"refill = {describe(self.refill)}: must be a function refill(state) -> lk.Decision")
-        if isinstance(self.num_slots, bool) or not isinstance(self.num_slots, numbers.Integral) or self.num_slots < 1:
-            raise ValueError(f"num_slots = {self.num_slots!r}: must be a whole number >= 1")
+        whole_number("num_slots", self.num_slots)
 
     def __repr__(self) -> str:
         return f"{self.name}(num_slots={self.num_slots})"

@@ -15,7 +15,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from labkit.sched.blocks import num_blocks_for
 from labkit import theory
+from labkit.analysis import CostModel, metrics
 from labkit.exercises.feedback import (
     BadAnswer,
     Question,
@@ -27,7 +29,7 @@ from labkit.exercises.feedback import (
     real_number,
     whole_number,
 )
-from labkit.sched import Continuous, CostModel, Static, metrics, simulate
+from labkit.sched import Continuous, Static, simulate
 from labkit.traffic import Trace
 
 
@@ -287,7 +289,7 @@ class SmallestPool(Question):
     def _never_binding(self) -> int:
         """A pool that holds every request's longest sequence at once (1 + prompt + outputs but the last)."""
         tokens = np.add(self.prompt_lengths, self.output_lengths)
-        return int(np.sum(-(-tokens // self.block_size)))
+        return int(np.sum(num_blocks_for(tokens, self.block_size)))
 
     def grade(self, answer):
         num_blocks = whole_number(answer, "num_blocks")

@@ -1,9 +1,12 @@
 """labkit.viz: pixels. Figures and widgets that read a `StepLog` (or theory numbers) and nothing else.
 
 Imports plotly, ipywidgets, numpy and the labkit layers above it; it never runs an engine,
-and it keeps no module-level mutable state.
+and it keeps no module-level mutable state. The text tables the lessons print beside the
+figures (`policy_table`, `group_table`, `gain_table`) are `labkit.analysis.ordering`'s,
+exported here too.
 """
 
+from labkit.analysis.ordering import gain_table, group_table, policy_table
 from labkit.viz.animation import kernel_free_bundle, schedule_animation, show_anywhere
 from labkit.viz.figures import (
     clipped_bars,
@@ -19,18 +22,10 @@ from labkit.viz.figures import (
 )
 from labkit.viz.costs import step_breakdown, step_time_curve
 from labkit.viz.lanes import LaneExplorer, lane_timeline, overlap_speedup_curve
-from labkit.viz.latency import (
-    TradeoffPoint,
-    goodput_bars,
-    latency_tradeoff,
-    pareto_optimal,
-    predicted_against_measured,
-    step_times,
-    tradeoff_point,
-)
+from labkit.viz.latency import goodput_bars, latency_tradeoff, predicted_against_measured, step_times
 from labkit.viz.live import LiveSlotDiagram
 from labkit.viz.multiplier import multiplier_bars, multiplier_waterfall
-from labkit.viz.ordering import gain_table, group_table, noise_sweep, policy_table, ttft_by_length, ttft_waiting
+from labkit.viz.ordering import noise_sweep, ttft_by_length, ttft_waiting
 from labkit.viz.memory import pool_sweep, pool_usage, preemption_steps, running_requests, server_occupancy
 from labkit.viz.stepper import ScheduleStepper, progress_text
 
@@ -38,12 +33,10 @@ __all__ = [
     "LaneExplorer",
     "LiveSlotDiagram",
     "ScheduleStepper",
-    "TradeoffPoint",
     "gain_table",
     "goodput_bars",
     "group_table",
     "latency_tradeoff",
-    "pareto_optimal",
     "predicted_against_measured",
     "pool_sweep",
     "pool_usage",
@@ -51,7 +44,6 @@ __all__ = [
     "running_requests",
     "server_occupancy",
     "step_times",
-    "tradeoff_point",
     "clipped_bars",
     "harmonic_curves",
     "kernel_free_bundle",

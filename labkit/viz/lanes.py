@@ -1,9 +1,10 @@
 """Two-lane timelines, host above device, and what overlap buys.
 
-`lane_timeline` draws `labkit.sched.lanes.Lanes`, laid out by `two_lanes` or measured by an
-engine (`Lanes.from_log`); the device's idle stretches are shaded. `LaneExplorer` puts host
-and device sliders on the two-lane picture with and without overlap. `overlap_speedup_curve`
-plots (host + device) / max(host, device) against host time.
+`lane_timeline` draws `labkit.analysis.lanes.Lanes`, laid out by `two_lanes` or measured by
+an engine (`Lanes.from_log`); the device's idle stretches (`idle_stretches`) are shaded.
+`LaneExplorer` puts host and device sliders on the two-lane picture with and without
+overlap, under their arithmetic (`layout_summary`). `overlap_speedup_curve` plots
+(host + device) / max(host, device) against host time.
 
 Invariants: a timeline draws every stretch it is given and nothing else, and the explorer
 always shows the layout of its sliders' current values.
@@ -17,19 +18,10 @@ import ipywidgets as widgets
 import numpy as np
 import plotly.graph_objects as go
 
-from labkit.sched.lanes import Lanes, overlap_speedup, two_lanes
+from labkit.analysis.lanes import Lanes, idle_stretches, layout_summary, two_lanes
 from labkit.viz.figures import GRID
 
 HOST_COLOR, DEVICE_COLOR, IDLE_COLOR = "#4C78A8", "#F58518", "rgba(228, 87, 86, 0.25)"
-
-
-def idle_stretches(lanes: Lanes) -> np.ndarray:
-    """(start, end) of every gap in the device lane, from the first stretch of either lane to the last."""
-    device = lanes.device[np.argsort(lanes.device[:, 0])]
-    starts = np.concatenate([[min(lanes.host[:, 0].min(), device[0, 0])], device[:, 1]])
-    ends = np.concatenate([device[:, 0], [max(lanes.host[:, 1].max(), device[-1, 1])]])
-    keep = ends > starts
-    return np.column_stack([starts[keep], ends[keep]])
 
 
 def _bars(stretches: np.ndarray, row: str, name: str, color: str, scale: float, legend: bool) -> go.Bar:
@@ -53,14 +45,6 @@ def lane_timeline(panels: dict[str, Lanes], scale: float = 1.0, title: str = "Ho
     fig.update_yaxes(categoryorder="array", categoryarray=rows[::-1])
     fig.update_xaxes(title="milliseconds", gridcolor=GRID, rangemode="tozero")
     return fig
-
-
-def layout_summary(host: float, device: float) -> str:
-    """The arithmetic of `host` and `device` ms per step, without and with overlap."""
-    plain = two_lanes(host, device, 2, overlap=False)
-    return (f"without overlap a step takes {host + device:.1f} ms and the device idles "
-            f"{plain.device_idle_fraction:.1%} of the time; with overlap a step takes {max(host, device):.1f} ms: "
-            f"{overlap_speedup(host, device):.2f}x the throughput")
 
 
 class LaneExplorer(widgets.VBox):

@@ -8,64 +8,23 @@ Invariants:
   TTFT in seconds, throughput in output tokens per second, goodput in requests per second;
 - a step is drawn over its own duration, so a long step reads as a long flat stretch,
   never as a slope into the next one;
-- one run dominates another when it is no worse on every axis (ITL and TTFT lower,
-  throughput higher) and better on one, where values within `rtol` (1%) of each other
-  are ties; a trade-off point is Pareto-optimal when no run dominates it. Colour shows
-  throughput only when the runs' throughputs differ by more than that tolerance.
+- the trade-off marks as Pareto-optimal the runs `labkit.analysis.tradeoff` finds so, with
+  its ties (`rtol`, 1%); colour shows throughput only when the runs' throughputs differ
+  by more than that tolerance.
 """
 
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from labkit.sched import StepLog, metrics
+from labkit.analysis.tradeoff import RTOL, pareto_optimal, tradeoff_point
+from labkit.sched import StepLog
 from labkit.viz.figures import GRID, PALETTE
 
-RTOL = 0.01  # differences within 1% of a value are ties: noise, not a trade-off
 LABEL_POSITIONS = ("top center", "bottom center", "middle right", "middle left")
 LABEL_REACH = 0.08  # share of an axis within which two points' labels would collide
-
-
-class TradeoffPoint(NamedTuple):
-    """One run's place in the trade-off: ITL and TTFT at a percentile, and throughput."""
-
-    itl_ms: float
-    ttft_s: float
-    tokens_per_second: float
-
-
-def tradeoff_point(log: StepLog, q: float = 99) -> TradeoffPoint:
-    """The q-th percentile ITL (ms) and TTFT (s) of a run, and its output tokens per second."""
-    itl_ms = 1000 * metrics.percentile(metrics.itl(log), q)
-    return TradeoffPoint(itl_ms, metrics.percentile(log.ttft, q), log.tokens_per_second)
-
-
-def dominates(points: list[TradeoffPoint], rtol: float = RTOL) -> np.ndarray:
-    """bool [j, i]: whether point j dominates point i, with differences within `rtol` of
-    i's values counted as ties (lower ITL and TTFT, higher throughput)."""
-    if not 0 <= rtol < 1:
-        raise ValueError(f"rtol = {rtol!r}: must be a fraction in [0, 1)")
-    costs = np.array([(p.itl_ms, p.ttft_s, -p.tokens_per_second) for p in points], float).reshape(-1, 3)
-    slack = rtol * np.abs(costs)[None, :, :]  # (1, i, axis): how much of i's value is a tie
-    no_worse = (costs[:, None, :] <= costs[None, :, :] + slack).all(axis=2)  # [j, i]
-    better = (costs[:, None, :] < costs[None, :, :] - slack).any(axis=2)  # [j, i]: beyond a tie somewhere
-    return no_worse & better
-
-
-def pareto_optimal(points: list[TradeoffPoint], rtol: float = RTOL) -> np.ndarray:
-    """bool per point: whether no other point dominates it (see `dominates`)."""
-    return ~dominates(points, rtol).any(axis=0)
-
-
-def dominators(logs: dict[str, StepLog], q: float = 99, rtol: float = RTOL) -> dict[str, list[str]]:
-    """For each run, the runs that dominate it at the q-th percentile: [] for a Pareto-optimal run."""
-    names = list(logs)
-    beats = dominates([tradeoff_point(logs[name], q) for name in names], rtol)
-    return {name: [names[j] for j in np.flatnonzero(beats[:, i])] for i, name in enumerate(names)}
 
 
 def step_times(logs: dict[str, StepLog]) -> go.Figure:

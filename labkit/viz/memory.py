@@ -19,7 +19,7 @@ Invariants:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import plotly.graph_objects as go
@@ -28,8 +28,15 @@ from plotly.subplots import make_subplots
 from labkit.sched import StepLog
 from labkit.viz.figures import GRID, PALETTE
 
-if TYPE_CHECKING:
-    from labkit.serve.replay import ScrapedSeries
+
+class GaugeSeries(Protocol):
+    """What `server_occupancy` reads: a server's gauges at `times` (s), as a replay's
+    `ScrapedSeries` holds them."""
+
+    times: np.ndarray
+    running: np.ndarray  # requests running
+    waiting: np.ndarray  # requests waiting
+    kv_usage: np.ndarray  # share of the KV cache in use, 0..1
 
 
 def preemption_steps(log: StepLog) -> list[tuple[int, int]]:
@@ -94,7 +101,7 @@ def running_requests(logs: dict[str, StepLog], title: str | None = None) -> go.F
     return fig
 
 
-def server_occupancy(series: ScrapedSeries, title: str | None = None) -> go.Figure:
+def server_occupancy(series: GaugeSeries, title: str | None = None) -> go.Figure:
     """A server's requests running and waiting (top) and its KV cache usage (bottom) over a
     replay, as scraped from its /metrics (`ReplayLog.server`)."""
     fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.08, row_heights=[0.6, 0.4])

@@ -1,4 +1,4 @@
-"""Headline multipliers taken apart: a waterfall of one `labkit.sched.multiplier.Multiplier`,
+"""Headline multipliers taken apart: a waterfall of one `labkit.analysis.multiplier.Multiplier`,
 and stacked bars that set several side by side, each beside its published figure.
 
 Both draw on a log scale, where factors multiply by stacking: a factor of 2 is as tall as
@@ -16,7 +16,7 @@ import math
 import numpy as np
 import plotly.graph_objects as go
 
-from labkit.sched.multiplier import KINDS, Multiplier
+from labkit.analysis.multiplier import KINDS, Multiplier
 from labkit.viz.figures import GRID
 
 KIND_COLORS = dict(zip(KINDS, ("#4C78A8", "#72B7B2", "#54A24B", "#B279A2", "#E45756")))

@@ -9,7 +9,8 @@ forward pass). `two_lanes` lays out `num_steps` steps on the two lanes:
   t+1 while the device runs step t, so in steady state a step takes max(host, device).
 
 With 2 ms of host and 5 ms of device work a step takes 7 ms and the device idles 2/7 of
-the time; overlapped, a step takes 5 ms: (2 + 5) / 5 = 1.4 times the throughput.
+the time; overlapped, a step takes 5 ms: (2 + 5) / 5 = 1.4 times the throughput
+(`layout_summary` says so in words). `idle_stretches` lists the device lane's gaps.
 
 Invariants:
 
@@ -77,3 +78,20 @@ def two_lanes(host: float, device: float, num_steps: int, overlap: bool) -> Lane
 def overlap_speedup(host: float, device: float) -> float:
     """Steady-state throughput with overlap over without: (host + device) / max(host, device)."""
     return (host + device) / max(host, device)
+
+
+def idle_stretches(lanes: Lanes) -> np.ndarray:
+    """(start, end) of every gap in the device lane, from the first stretch of either lane to the last."""
+    device = lanes.device[np.argsort(lanes.device[:, 0])]
+    starts = np.concatenate([[min(lanes.host[:, 0].min(), device[0, 0])], device[:, 1]])
+    ends = np.concatenate([device[:, 0], [max(lanes.host[:, 1].max(), device[-1, 1])]])
+    keep = ends > starts
+    return np.column_stack([starts[keep], ends[keep]])
+
+
+def layout_summary(host: float, device: float) -> str:
+    """The arithmetic of `host` and `device` ms per step, without and with overlap."""
+    plain = two_lanes(host, device, 2, overlap=False)
+    return (f"without overlap a step takes {host + device:.1f} ms and the device idles "
+            f"{plain.device_idle_fraction:.1%} of the time; with overlap a step takes {max(host, device):.1f} ms: "
+            f"{overlap_speedup(host, device):.2f}x the throughput")

@@ -16,9 +16,10 @@ from dataclasses import replace
 
 import numpy as np
 
+from labkit.sched.blocks import num_blocks_for
 from labkit.sched.blocks import BlockPool
-from labkit.sched.policy import Decision, check_policy
-from labkit.sched.state import Request, SchedulerState
+from labkit.sched.policy import check_policy
+from labkit.sched.state import Decision, Request, SchedulerState
 
 PROMPT_LEN = 32  # tokens of each request's prompt, already in the cache
 OUTPUT_LEN = 10_000  # long enough that nobody finishes
@@ -44,7 +45,7 @@ def schedule_seconds(policy, num_running: int, num_waiting: int, repeats: int = 
     check_policy(policy)
     num_blocks = None
     if policy.num_blocks is not None:
-        per_request = -(-(PROMPT_LEN + 2) // policy.block_size)
+        per_request = num_blocks_for(PROMPT_LEN + 2, policy.block_size)
         num_blocks = max(policy.num_blocks, (num_running + 1) * per_request)
     policy = replace(policy, num_slots=num_running, num_blocks=num_blocks)
     state = decoding_state(num_running, num_waiting, num_blocks, policy.block_size)

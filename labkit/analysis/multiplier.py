@@ -38,11 +38,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import partial
-from numbers import Integral
 from typing import Callable
 
+from labkit.sched.blocks import num_blocks_for
+from labkit.checks import whole_number
+from labkit.analysis.metrics import format_table
 from labkit.sched.cost import CostModel
-from labkit.sched.metrics import format_table
 from labkit.sched.policy import Continuous, Static
 from labkit.sched.simulator import simulate
 from labkit.traffic import Trace
@@ -69,16 +70,13 @@ class Memory:
     baseline_slots: int | None = None
 
     def __post_init__(self):
-        for name in ("pool_tokens", "reserve_tokens", "max_slots", "block_size", "baseline_slots"):
-            value = getattr(self, name)
-            if name == "baseline_slots" and value is None:
-                continue
-            if isinstance(value, bool) or not isinstance(value, Integral) or value < 1:
-                raise ValueError(f"{name} = {value!r}: must be a whole number >= 1")
+        for name in ("pool_tokens", "reserve_tokens", "max_slots", "block_size"):
+            whole_number(name, getattr(self, name))
+        whole_number("baseline_slots", self.baseline_slots, or_none=True)
         if self.pool_tokens < self.reserve_tokens:
             raise ValueError(f"pool_tokens = {self.pool_tokens}: holds not one request of "
                              f"reserve_tokens = {self.reserve_tokens}")
-        need = -(-self.reserve_tokens // self.block_size)
+        need = num_blocks_for(self.reserve_tokens, self.block_size)
         if self.num_blocks < need:
             raise ValueError(f"pool_tokens = {self.pool_tokens}: its {self.num_blocks} whole blocks of block_size = "
                              f"{self.block_size} cannot hold one request of reserve_tokens = {self.reserve_tokens} "

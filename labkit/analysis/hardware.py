@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from labkit.sched.cost import CostModel
+from labkit.analysis.cost_fit import CostModel
 
 
 @dataclass(frozen=True)
