@@ -16,7 +16,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from labkit.engine.model import ModelConfig
+from labkit.engine.config import ModelConfig
 from labkit.engine.peers import save_llama_dir
 from labkit.serve.processes import start_transformers_serve
 

@@ -11,6 +11,7 @@ import torch
 import labkit as lk
 from labkit.engine import Engine, ModelConfig, PagedKVCache, StepBatch, TinyGPT
 from labkit.engine.cuda_graphs import DecodeGraphs, eager_capture, next_power_of_two
+from labkit.sched.blocks import num_blocks_for
 
 CONFIG = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, d_ff=64, max_seq_len=64)
 BLOCK_SIZE = 4
@@ -30,7 +31,7 @@ def decode_batch(seed, num_requests, device="cpu"):
     blocks = rng.permutation(NUM_BLOCKS)
     tables, start = [], 0
     for depth in depths:
-        count = -(-(depth + 1) // BLOCK_SIZE) + int(rng.integers(0, 2))  # sometimes a block reserved ahead
+        count = num_blocks_for(depth + 1, BLOCK_SIZE) + int(rng.integers(0, 2))  # sometimes a block reserved ahead
         tables.append(blocks[start : start + count])
         start += count
     tokens = [[int(t)] for t in rng.integers(0, CONFIG.vocab_size, num_requests)]

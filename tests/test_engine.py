@@ -2,6 +2,7 @@
 
 Every test that takes the `engine` fixture runs under both attention layouts."""
 
+import functools
 from dataclasses import replace
 
 import numpy as np
@@ -11,6 +12,9 @@ import torch
 import labkit as lk
 from labkit.engine import Engine, ModelConfig
 from labkit.engine.attention import ATTENTION_LAYOUTS
+from labkit.engine.runner import sequence_lengths
+from labkit.sched.driver import drive
+from labkit.sched.scheduler import kv_pool
 
 TINY = ModelConfig(vocab_size=97, d_model=32, n_layers=2, n_heads=2, d_ff=64, max_seq_len=128)
 MIXED = lk.Trace.from_lengths([5, 1, 9, 3, 7, 2], prompt_lengths=[3, 0, 12, 1, 20, 6])
@@ -64,14 +68,14 @@ def test_solo_comparison_can_fail(solo):
 
 def test_a_wrong_block_table_breaks_the_equality(engine, solo, monkeypatch):
     """Negative control: reading a request's K/V through a corrupted block table changes its tokens."""
-    from labkit.engine import steps
+    from labkit.engine import model_runner
 
-    build = steps.StepBatch.build
+    build = model_runner.StepBatch.build
 
     def reversed_tables(new_tokens, starts, tables, block_size, device):
         return build(new_tokens, starts, [table[::-1] for table in tables], block_size, device)
 
-    monkeypatch.setattr(steps.StepBatch, "build", reversed_tables)
+    monkeypatch.setattr(model_runner.StepBatch, "build", reversed_tables)
     log = engine.run(MIXED, lk.Continuous(num_slots=3), progress=False)
     assert log.outputs != solo
 
@@ -144,6 +148,25 @@ def test_prefill_marks_the_prompt_tokens(engine):
     log = engine.run(MIXED, lk.Continuous(num_slots=6), progress=False)
     assert log.prefill_tokens[0].tolist() == (1 + MIXED.prompt_lengths).tolist()  # BOS + prompt
     assert log.prefill_tokens[1:].sum() == 0
+
+
+@pytest.mark.parametrize("policy", [lk.Static(num_slots=2, block_size=4), lk.Continuous(num_slots=3, block_size=4)],
+                         ids=repr)
+def test_the_clock_free_runner_gives_the_timed_engines_tokens(engine, solo, policy):
+    """`ModelRunner.run` under the shared loop, with a fixed step time and no clock, log or
+    timer: the tokens of the timed engine."""
+    blocks = kv_pool(policy, int(sequence_lengths(MIXED).max()))
+    runner = engine.model_runner(blocks, functools.partial(engine.prompt, MIXED))
+
+    class Untimed:
+        def execute(self, state, batch, log):
+            runner.run(batch)
+            return 1.0
+
+    with torch.inference_mode():
+        drive(MIXED, policy, Untimed(), blocks=blocks)
+    outputs = {int(MIXED.ids[i]): sequence[1 + int(MIXED.prompt_lengths[i]) :] for i, sequence in runner.sequences.items()}
+    assert outputs == solo
 
 
 def test_measured_steps_are_split_into_phases(engine):

@@ -6,8 +6,10 @@ import torch
 import labkit as lk
 from labkit.engine import Engine
 from labkit.engine.attention import ATTENTION_LAYOUTS
+from labkit.engine.config import ModelConfig
 from labkit.engine.kv import PagedKVCache
-from labkit.engine.model import ModelConfig, StepBatch, TinyGPT
+from labkit.engine.model import StepBatch, TinyGPT
+from labkit.sched.blocks import num_blocks_for
 
 transformers = pytest.importorskip("transformers")
 
@@ -34,7 +36,7 @@ def prompt(length, seed):
 
 def greedy_paged(model, prompts, num_out):
     """All prompts in one prefill step, then one decode step per token, every request in every step."""
-    num_blocks_each = -(-(max(map(len, prompts)) + num_out) // BLOCK_SIZE)
+    num_blocks_each = num_blocks_for(max(map(len, prompts)) + num_out, BLOCK_SIZE)
     cache = PagedKVCache(CONFIG, num_blocks_each * len(prompts), BLOCK_SIZE, "cpu")
     block_ids = torch.randperm(cache.num_blocks, generator=torch.Generator().manual_seed(0))
     tables = block_ids.view(len(prompts), num_blocks_each)  # (num_requests, num_blocks_each), scattered

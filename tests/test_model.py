@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from labkit.engine.attention import ATTENTION_LAYOUTS
+from labkit.engine.config import ModelConfig
 from labkit.engine.device import resolve_device
 from labkit.engine.kv import PagedKVCache
-from labkit.engine.model import ModelConfig, StepBatch, TinyGPT
+from labkit.engine.model import StepBatch, TinyGPT
 
 CONFIG = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, d_ff=64, max_seq_len=64)
 BLOCK_SIZE = 4
@@ -23,7 +24,7 @@ def model(request):
 
 
 def noisy_cache(seed=1):
-    """A cache full of noise, so that reading a slot never written shows up in the logits."""
+    """A cache full of noise, so that reading an entry never written shows up in the logits."""
     cache = PagedKVCache(CONFIG, NUM_BLOCKS, BLOCK_SIZE, "cpu")
     generator = torch.Generator().manual_seed(seed)
     cache.k.normal_(generator=generator)
@@ -121,7 +122,7 @@ def decode_with_table(model, read_table):
     model(StepBatch.build([prompt(7, seed=0), prompt(8, seed=4)], [0, 0], [table(9, 2), table(5, 11)], BLOCK_SIZE),
           cache)
     batch = StepBatch.build([[5]], [7], [read_table], BLOCK_SIZE)
-    batch.write_slots = StepBatch.build([[5]], [7], [table(9, 2)], BLOCK_SIZE).write_slots
+    batch.write_entries = StepBatch.build([[5]], [7], [table(9, 2)], BLOCK_SIZE).write_entries
     return model(batch, cache)[0]
 
 
@@ -157,7 +158,7 @@ def test_batched_equals_solo(model):
 def test_step_returns_one_row_per_request(model):
     batch = StepBatch.build([[1, 2, 3], [4]], [0, 5], [table(0, 1), table(2, 3)], BLOCK_SIZE)
     assert batch.num_requests == 2 and batch.context_lens == [3, 6]
-    assert batch.write_slots.tolist() == [0, 1, 2, 13]
+    assert batch.write_entries.tolist() == [0, 1, 2, 13]
     assert model(batch, PagedKVCache(CONFIG, NUM_BLOCKS, BLOCK_SIZE, "cpu")).shape == (2, CONFIG.vocab_size)
 
 
@@ -179,7 +180,7 @@ def test_default_config():
 
 
 def test_importing_the_model_does_not_import_transformers():
-    code = "import sys, labkit.engine.model, labkit.engine.kv; print('transformers' in sys.modules)"
+    code = "import sys, labkit.engine.config, labkit.engine.model, labkit.engine.kv; print('transformers' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"
 
 
@@ -213,11 +214,11 @@ def test_cache_rejects_bad_sizes(field, value):
 def test_cache_shape():
     cache = PagedKVCache(CONFIG, num_blocks=5, block_size=3, device="cpu")
     assert cache.k.shape == cache.v.shape == (2, 6, 3, 2, 16)  # five blocks to lend, and the padding block
-    assert cache.padding_block == 5 and cache.num_slots == 18
+    assert cache.padding_block == 5 and cache.num_entries == 18
     assert cache.num_bytes == 2 * 2 * 6 * 3 * 32 * 4
     k, _ = cache.layer(1)
     k[7] = 1.0
-    assert cache.k[1, 2, 1].eq(1.0).all()  # slot 7 = block 2, offset 1
+    assert cache.k[1, 2, 1].eq(1.0).all()  # entry 7 = block 2, offset 1
 
 
 @pytest.fixture

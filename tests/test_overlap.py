@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import labkit as lk
 from labkit.engine import Engine, ModelConfig
-from labkit.engine.overlap import OverlappedSteps
+from labkit.engine.overlap import OverlappedRunner
 from labkit.sched.driver import drive
 from labkit.sched.overlap import FixedLanding, drive_overlapped
 from labkit.sched.simulator import FixedStepTime
@@ -115,13 +115,13 @@ def test_the_runs_compared_preempt_and_chunk(overlapped):
 
 
 def test_a_stale_token_in_place_of_a_placeholder_breaks_the_equality(plain, monkeypatch):
-    """Negative control: feed the last token the host has instead of the one in flight."""
+    """Negative control: a token in flight stands in its sequence as the request's previous
+    token, which the host has, instead of as its placeholder."""
 
-    def stale(self, request, first, count):
-        sequence = self.sequences[request.index]
-        return [sequence[min(i, len(sequence) - 1)] for i in range(first, first + count)]
+    def stale(self, step):
+        return [self.runner.sequences[request.index][-1] for request in step.requests]
 
-    monkeypatch.setattr(OverlappedSteps, "_tokens", stale)
+    monkeypatch.setattr(OverlappedRunner, "placeholders", stale)
     policy = POLICIES[4]
     log = Engine(TINY, device="cpu", seed=0, threads=1, overlap=True).run(MIXED, policy, progress=False)
     assert log.outputs != plain[repr(policy)].outputs

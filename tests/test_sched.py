@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import labkit as lk
+from labkit.sched.blocks import num_blocks_for
 from labkit.sched import Decision, Request, SchedulerState
 from strategies import knobs, prompted_traces, traces
 from test_fastforward import assert_same_log
@@ -363,7 +364,7 @@ def test_a_preempted_request_never_waits_for_a_budget_it_cannot_get():
 @pytest.mark.parametrize(
     "make, message",
     [
-        (lambda: lk.Continuous(2, num_blocks=0), "num_blocks = 0: must be a whole number >= 1 or None"),
+        (lambda: lk.Continuous(2, num_blocks=0), "num_blocks = 0: must be a whole number >= 1, or None"),
         (lambda: lk.Continuous(2, block_size=2.5), "block_size = 2.5"),
         (lambda: lk.Continuous(2, max_tokens_per_step=0), "max_tokens_per_step = 0"),
         (lambda: lk.Continuous(2, chunked_prefill="yes"), "chunked_prefill = 'yes': must be True or False"),
@@ -497,7 +498,7 @@ def test_shortest_predicted_first_admits_in_order_of_prediction(noise):
 @pytest.mark.parametrize(
     "make, message",
     [
-        (lambda: lk.ShortestPredictedFirst(2, noise=-1), "noise = -1: must be a finite number >= 0"),
+        (lambda: lk.ShortestPredictedFirst(2, noise=-1), "noise = -1: must be a number >= 0"),
         (lambda: lk.ShortestPredictedFirst(2, noise=float("inf")), "noise = inf"),
         (lambda: lk.ShortestPredictedFirst(2, seed=1.5), "seed = 1.5: must be a whole number >= 0"),
         (lambda: lk.Trace.from_lengths([1, 2]).with_priorities([0, 0.5]), "priorities\\[1\\] = 0.5"),
@@ -540,7 +541,7 @@ def test_whole_length_reservations_never_preempt_and_hold_every_block_from_admis
     except ValueError:  # a request whose whole length the pool cannot hold is refused up front
         return
     assert log.num_preemptions == 0
-    reservation = -(-(trace.prompt_lengths + trace.output_lengths) // block_size)  # blocks of BOS + prompt + L - 1
+    reservation = num_blocks_for(trace.prompt_lengths + trace.output_lengths, block_size)  # blocks of BOS + prompt + L - 1
     for step in range(log.num_steps):
         seated = (log.admit_step <= step) & ((log.finish_step >= step) | (log.finish_step < 0))
         assert log.num_blocks_used[step] == reservation[seated].sum()

@@ -2,9 +2,10 @@
 
 A Hypothesis state machine adds requests, steps the scheduler one decision at a time and
 aborts requests at random, the way `labkit.sched.driver.drive` runs its loop (arrivals,
-`policy.schedule`, `state.apply`, `state.allocate`, `driver.complete_step` and
-`driver.log_steps`). The policy is `Continuous` or `Priority`, with every knob. After
-every rule it checks the invariants the sched modules' docstrings state:
+`policy.schedule`, `state.apply`, `state.allocate`, then what `Scheduler.postprocess` does:
+`StepRecord.of` and `state.complete`; then `StepRecord.log_to`). The policy is `Continuous`
+or `Priority`, with every knob. After every rule it checks the invariants the sched
+modules' docstrings state:
 
 - every added request is in exactly one place: waiting, in a slot (running or finished,
   not yet released), released after finishing, or aborted; none is lost;
@@ -32,7 +33,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 import labkit as lk
 from labkit.sched import Decision, Request, SchedulerState
 from labkit.sched.blocks import BlockPool
-from labkit.sched.driver import complete_step, log_steps
+from labkit.sched.scheduler import StepRecord
 from labkit.sched.steplog import StepLog
 
 CAPACITY = 64  # most requests one run may add: the StepLog's per-request arrays are this long
@@ -121,8 +122,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert 1 <= num_tokens <= request.num_uncomputed, (request, num_tokens)
         self.last_step_tokens = {r.id: n for r, n in scheduled}
         self.state.allocate(batch)
-        steps = complete_step(self.state, batch, decision)
-        log_steps(self.log, steps, self.state.now, 1.0)  # requests arrive by rule, not from the trace
+        record = StepRecord.of(self.state, batch, decision.blocked)
+        record.finished = self.state.complete(batch)
+        record.log_to(self.log, self.state.now, 1.0)  # requests arrive by rule, not from the trace
         self.state.now += 1.0
         return True
 

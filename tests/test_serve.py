@@ -432,15 +432,15 @@ class StepGate:
 
     def __init__(self, online):
         self.held, self.go, self.steps = threading.Event(), threading.Event(), []
-        execute = online.steps.execute
+        run = online.steps.run
 
-        def gated(state, batch, log):
+        def gated(batch):
             self.held.set()
             self.go.wait(timeout=20)
             self.steps.append([request.id for request, _ in batch.rows])
-            return execute(state, batch, log)
+            return run(batch)
 
-        online.steps.execute = gated
+        online.steps.run = gated
 
     def first_step_order(self) -> list[int]:
         """Request ids in the order of the first step each worked in."""

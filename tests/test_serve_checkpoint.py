@@ -20,7 +20,7 @@ import torch
 import uvicorn
 
 from labkit.cli import build_parser
-from labkit.engine.model import ModelConfig
+from labkit.engine.config import ModelConfig
 from labkit.engine.peers import save_llama_dir
 from labkit.serve.server import build_server, engine_from, model_name_from, policy_from
 from labkit.serve.processes import free_port, start_labkit_serve

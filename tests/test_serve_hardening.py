@@ -58,13 +58,13 @@ def assert_error(answer: httpx.Response, status: int, kind: str, message: str, p
 
 def slow_steps(server: Served, monkeypatch, seconds: float) -> None:
     """Each of the server's steps takes at least `seconds`, so a request lasts long enough to leave."""
-    execute = server.online.steps.execute
+    run = server.online.steps.run
 
-    def slow(state, batch, log):
+    def slow(batch):
         time.sleep(seconds)
-        return execute(state, batch, log)
+        return run(batch)
 
-    monkeypatch.setattr(server.online.steps, "execute", slow)
+    monkeypatch.setattr(server.online.steps, "run", slow)
 
 
 def generated(server: Served) -> float:
@@ -398,10 +398,10 @@ def test_when_the_engine_dies_health_fails_and_requests_end_with_an_error(monkey
     try:
         assert httpx.get(f"{server.url}/health").status_code == 200  # the control
 
-        def broken(state, batch, log):
+        def broken(batch):
             raise RuntimeError("boom")
 
-        monkeypatch.setattr(server.online.steps, "execute", broken)
+        monkeypatch.setattr(server.online.steps, "run", broken)
         payload = {"model": MODEL, "prompt": [5], "max_tokens": 5, "stream": True}
         with httpx.stream("POST", f"{server.url}/v1/completions", json=payload, timeout=10) as answer:
             lines = read_stream(answer)

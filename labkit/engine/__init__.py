@@ -1,14 +1,17 @@
 """labkit.engine: the "run" back end. A tiny Llama-style transformer with a paged KV cache,
 driven by the same policies as the simulator. Imports torch and labkit.sched."""
 
+from labkit.engine.config import ModelConfig
 from labkit.engine.device import available_devices, resolve_device
 from labkit.engine.kv import PagedKVCache
-from labkit.engine.model import ModelConfig, StepBatch, TinyGPT
+from labkit.engine.model import StepBatch, TinyGPT
+from labkit.engine.model_runner import ModelRunner
 from labkit.engine.runner import Engine
 
 __all__ = [
     "Engine",
     "ModelConfig",
+    "ModelRunner",
     "PagedKVCache",
     "StepBatch",
     "TinyGPT",

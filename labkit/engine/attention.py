@@ -14,7 +14,7 @@ layouts do the same arithmetic:
   grouped-query attention, below) with a mask that hides the padding; a request with
   several new tokens (a prompt, or a chunk of one) gets a call of its own, and a step has
   few. Grouping keeps one long context from padding every short one to its length:
-  sorted by context, a group pads at most 25% of its real context tokens, or 256 slots,
+  sorted by context, a group pads at most 25% of its real context tokens, or 256 entries,
   about what one more call costs on a CPU (`bucket_by_context`). A CUDA graph
   (`cuda_graphs`) keeps one group, padded to its bucket: a graph fixes shapes.
 
@@ -28,7 +28,7 @@ repeats each key/value head g times (`repeat_kv_heads`). With nkv = nh both are 
 
 Invariants:
 
-- a query at position p of request r reads exactly r's cache slots for positions 0..p;
+- a query at position p of request r reads exactly r's cache entries for positions 0..p;
 - padding is masked, never read into a result: the two layouts give the same values;
 - in a planned step, every one-token request is in exactly one decode group, and no group
   pads more than the waste bound allows;
@@ -46,22 +46,22 @@ import torch.nn.functional as F
 ATTENTION_LAYOUTS = ("batched", "per_request")
 
 
-def context_slots(block_tables: torch.Tensor, context_len: int, block_size: int) -> torch.Tensor:
-    """(R, context_len) cache slots of positions 0..context_len-1 through each row's block table.
+def context_entries(block_tables: torch.Tensor, context_len: int, block_size: int) -> torch.Tensor:
+    """(R, context_len) cache entries of positions 0..context_len-1 through each row's block table.
 
     block_tables: (R, num_blocks) long, each row a request's block ids in token order.
     Position p lives in block block_tables[r, p // block_size], at offset p % block_size.
     """
     offsets = torch.arange(block_size, device=block_tables.device)  # (bs,)
-    slots = block_tables[:, :, None] * block_size + offsets  # (R, num_blocks, bs)
-    return slots.flatten(1)[:, :context_len]  # (R, context_len)
+    entries = block_tables[:, :, None] * block_size + offsets  # (R, num_blocks, bs)
+    return entries.flatten(1)[:, :context_len]  # (R, context_len)
 
 
-def gather(cache: torch.Tensor, slots: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """cache rows at `slots`: (*slots.shape, nkv, hs), written into `out` if given.
+def gather(cache: torch.Tensor, entries: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """cache rows at `entries`: (*entries.shape, nkv, hs), written into `out` if given.
     `index_select` is the fast gather on every device (advanced indexing is several times slower)."""
-    rows = torch.index_select(cache, 0, slots.flatten(), out=out)  # (num_slots_read, nkv, hs)
-    return rows.view(*slots.shape, *cache.shape[1:])
+    rows = torch.index_select(cache, 0, entries.flatten(), out=out)  # (num_entries_read, nkv, hs)
+    return rows.view(*entries.shape, *cache.shape[1:])
 
 
 class GatherScratch:
@@ -91,10 +91,10 @@ class GatherScratch:
         return buffer[:numel].view(num_rows, *row_shape)
 
 
-def gather_keys_and_values(k_cache, v_cache, slots, scratch: GatherScratch | None):
-    """Keys and values at `slots`, (*slots.shape, nkv, hs) each, in the scratch buffers if given."""
-    k_out, v_out = scratch.keys_and_values(k_cache, slots.numel()) if scratch else (None, None)
-    return gather(k_cache, slots, k_out), gather(v_cache, slots, v_out)
+def gather_keys_and_values(k_cache, v_cache, entries, scratch: GatherScratch | None):
+    """Keys and values at `entries`, (*entries.shape, nkv, hs) each, in the scratch buffers if given."""
+    k_out, v_out = scratch.keys_and_values(k_cache, entries.numel()) if scratch else (None, None)
+    return gather(k_cache, entries, k_out), gather(v_cache, entries, v_out)
 
 
 def repeat_kv_heads(k: torch.Tensor, v: torch.Tensor, num_query_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,29 +108,29 @@ def repeat_kv_heads(k: torch.Tensor, v: torch.Tensor, num_query_heads: int) -> t
 
 @dataclass
 class _OneRequest:
-    """One request's queries over its own context: its rows of the step, its slots, its mask."""
+    """One request's queries over its own context: its rows of the step, its entries, its mask."""
 
     rows: slice
-    slots: torch.Tensor  # (L,) its context's cache slots
+    entries: torch.Tensor  # (L,) its context's cache entries
     mask: torch.Tensor | None  # (n, L) bool, True = may attend; None: see is_causal
     is_causal: bool  # the new tokens are the whole context (a first prefill): plain causal attention
 
     def attend(self, q, k_cache, v_cache, scratch: GatherScratch | None) -> torch.Tensor:
-        k_i, v_i = gather_keys_and_values(k_cache, v_cache, self.slots, scratch)  # (L, nkv, hs) each
+        k_i, v_i = gather_keys_and_values(k_cache, v_cache, self.entries, scratch)  # (L, nkv, hs) each
         q_i = q[self.rows].transpose(0, 1)[None]  # (1, nh, n, hs)
         k_i, v_i = repeat_kv_heads(k_i.transpose(0, 1)[None], v_i.transpose(0, 1)[None], q.shape[1])  # (1, nh, L, hs)
         y = F.scaled_dot_product_attention(q_i, k_i, v_i, attn_mask=self.mask, is_causal=self.is_causal)
         return y[0].transpose(0, 1)  # (n, nh, hs)
 
 
-def _one_request(rows: slice, slots: torch.Tensor) -> _OneRequest:
+def _one_request(rows: slice, entries: torch.Tensor) -> _OneRequest:
     """Queries at the last n context positions (n = rows' length) over all L of them."""
-    n, length = rows.stop - rows.start, len(slots)
+    n, length = rows.stop - rows.start, len(entries)
     if n == 1 or n == length:  # one query sees every key; or a whole prompt: causal from the start
-        return _OneRequest(rows, slots, None, is_causal=n > 1)
-    query_positions = torch.arange(length - n, length, device=slots.device)  # (n,)
-    mask = query_positions[:, None] >= torch.arange(length, device=slots.device)[None, :]  # (n, L)
-    return _OneRequest(rows, slots, mask, is_causal=False)
+        return _OneRequest(rows, entries, None, is_causal=n > 1)
+    query_positions = torch.arange(length - n, length, device=entries.device)  # (n,)
+    mask = query_positions[:, None] >= torch.arange(length, device=entries.device)[None, :]  # (n, L)
+    return _OneRequest(rows, entries, mask, is_causal=False)
 
 
 @dataclass
@@ -141,7 +141,7 @@ class PerRequestAttention:
     scratch: GatherScratch | None = None
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        """q: (T, nh, hs) rotated queries; k_cache, v_cache: (num_slots, nkv, hs). Returns (T, nh, hs)."""
+        """q: (T, nh, hs) rotated queries; k_cache, v_cache: (num_entries, nkv, hs). Returns (T, nh, hs)."""
         return torch.cat([request.attend(q, k_cache, v_cache, self.scratch) for request in self.requests])
 
 
@@ -151,16 +151,16 @@ class DecodeGroup:
     a key/value head go as g queries against it.
 
     rows: (D,) long, their rows among the step's T tokens.
-    slots: (D, L) long, each one's context slots, padded to the longest context L.
+    entries: (D, L) long, each one's context entries, padded to the longest context L.
     key_mask: (D, 1, 1, L) bool, True on a real context position, False on padding.
     """
 
     rows: torch.Tensor
-    slots: torch.Tensor
+    entries: torch.Tensor
     key_mask: torch.Tensor
 
     def attend(self, q, k_cache, v_cache, scratch: GatherScratch | None) -> torch.Tensor:
-        k_d, v_d = gather_keys_and_values(k_cache, v_cache, self.slots, scratch)  # (D, L, nkv, hs) each
+        k_d, v_d = gather_keys_and_values(k_cache, v_cache, self.entries, scratch)  # (D, L, nkv, hs) each
         (D, _, nkv, hs), nh = k_d.shape, q.shape[1]
         q_d = q.index_select(0, self.rows).view(D, nkv, nh // nkv, hs)  # (D, nkv, g, hs)
         k_d, v_d = k_d.transpose(1, 2), v_d.transpose(1, 2)  # (D, nkv, L, hs) each
@@ -171,17 +171,17 @@ class DecodeGroup:
 def decode_group(rows: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
                  block_size: int, padded_len: int) -> DecodeGroup:
     """The group of D one-token requests; block_tables (D, num_blocks), context_lens (D,)."""
-    slots = context_slots(block_tables, padded_len, block_size)  # (D, L)
+    entries = context_entries(block_tables, padded_len, block_size)  # (D, L)
     key_mask = torch.arange(padded_len, device=rows.device)[None, :] < context_lens[:, None]  # (D, L)
-    return DecodeGroup(rows, slots, key_mask[:, None, None, :])
+    return DecodeGroup(rows, entries, key_mask[:, None, None, :])
 
 
 MAX_WASTE = 0.25  # a decode group pads at most this fraction of its real context tokens ...
-WASTE_ALLOWANCE = 256  # ... or this many slots, whichever is more: about one more call's cost (2-core CPU)
+WASTE_ALLOWANCE = 256  # ... or this many entries, whichever is more: about one more call's cost (2-core CPU)
 
 
 def within_waste_bound(padded: int, real: int) -> bool:
-    """Whether padding `real` context tokens out to `padded` slots wastes little enough for one call."""
+    """Whether padding `real` context tokens out to `padded` entries wastes little enough for one call."""
     return padded - real <= max(MAX_WASTE * real, WASTE_ALLOWANCE)
 
 
@@ -214,7 +214,7 @@ class BatchedAttention:
     scratch: GatherScratch | None = None
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        """q: (T, nh, hs) rotated queries; k_cache, v_cache: (num_slots, nkv, hs). Returns (T, nh, hs)."""
+        """q: (T, nh, hs) rotated queries; k_cache, v_cache: (num_entries, nkv, hs). Returns (T, nh, hs)."""
         if not self.prefills and len(self.decodes) == 1:  # one group of every request: its rows are 0..T-1
             return self.decodes[0].attend(q, k_cache, v_cache, self.scratch)
         out = torch.empty_like(q)  # (T, nh, hs)
@@ -236,8 +236,8 @@ def plan_attention(layout: str, num_new: list[int], context_lens: list[int], blo
     first_rows = [0, *itertools.accumulate(num_new)][:-1]
 
     def one_request(i: int) -> _OneRequest:
-        slots = context_slots(block_tables[i : i + 1], context_lens[i], block_size)[0]  # (L,)
-        return _one_request(slice(first_rows[i], first_rows[i] + num_new[i]), slots)
+        entries = context_entries(block_tables[i : i + 1], context_lens[i], block_size)[0]  # (L,)
+        return _one_request(slice(first_rows[i], first_rows[i] + num_new[i]), entries)
 
     def group(requests: list[int]) -> DecodeGroup:
         device = block_tables.device

@@ -30,7 +30,8 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from labkit.engine.model import ModelConfig, TinyGPT
+from labkit.engine.config import ModelConfig
+from labkit.engine.model import TinyGPT
 
 CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE = "config.json", "model.safetensors.index.json", "model.safetensors"
 GENERATION_CONFIG_FILE = "generation_config.json"

@@ -34,6 +34,7 @@ import torch
 from labkit.engine.attention import BatchedAttention, decode_group
 from labkit.engine.kv import PagedKVCache
 from labkit.engine.model import StepBatch, TinyGPT
+from labkit.sched.blocks import num_blocks_for
 
 Step = Callable[[], torch.Tensor]
 
@@ -71,7 +72,7 @@ class _Bucket:
 
     input_ids: torch.Tensor  # (B,)
     positions: torch.Tensor  # (B,)
-    write_slots: torch.Tensor  # (B,)
+    write_entries: torch.Tensor  # (B,)
     block_tables: torch.Tensor  # (B, context_len / block_size)
     context_lens: torch.Tensor  # (B,)
     rows: torch.Tensor  # (B,) 0..B-1: each row is one request's last (only) token
@@ -104,7 +105,7 @@ class DecodeGraphs:
     def _bucket(self, batch: StepBatch) -> _Bucket:
         block_size = self.cache.block_size
         batch_size = next_power_of_two(batch.num_requests)
-        num_blocks = next_power_of_two(-(-max(batch.context_lens) // block_size))
+        num_blocks = next_power_of_two(num_blocks_for(max(batch.context_lens), block_size))
         key = (batch_size, num_blocks * block_size)
         if key not in self.buckets:
             device = batch.input_ids.device
@@ -124,7 +125,7 @@ class DecodeGraphs:
         padding_block = self.cache.padding_block
         bucket.input_ids.zero_()[:num_rows].copy_(batch.input_ids)
         bucket.positions.zero_()[:num_rows].copy_(batch.positions)
-        bucket.write_slots.fill_(padding_block * self.cache.block_size)[:num_rows].copy_(batch.write_slots)
+        bucket.write_entries.fill_(padding_block * self.cache.block_size)[:num_rows].copy_(batch.write_entries)
         bucket.block_tables.fill_(padding_block)[:num_rows, :num_blocks].copy_(batch.block_tables[:, :num_blocks])
         bucket.context_lens.fill_(1)[:num_rows].copy_(torch.tensor(batch.context_lens))
 
@@ -134,5 +135,5 @@ class DecodeGraphs:
         decodes = decode_group(bucket.rows, bucket.block_tables, bucket.context_lens, self.cache.block_size,
                                context_len)
         attention = BatchedAttention([decodes], prefills=[])
-        return self.model.logits(bucket.input_ids, bucket.positions, bucket.write_slots, bucket.rows, self.cache,
+        return self.model.logits(bucket.input_ids, bucket.positions, bucket.write_entries, bucket.rows, self.cache,
                                  attention)

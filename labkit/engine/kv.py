@@ -2,8 +2,9 @@
 
 The cache is one pool of fixed-size blocks per layer, allocated once. A request's
 context lives in the blocks its block table lists, in order: position p sits in block
-`block_table[p // block_size]` at offset `p % block_size`. The flat index of that place,
-`block_id * block_size + offset`, is its slot.
+`block_table[p // block_size]` at offset `p % block_size`. Viewed flat, a layer's cache is
+a row of entries, one token's keys and values each, and position p's entry is
+`block_id * block_size + offset`.
 
 Invariants:
 
@@ -16,12 +17,10 @@ Invariants:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-if TYPE_CHECKING:
-    from labkit.engine.model import ModelConfig
+from labkit.checks import whole_number
+from labkit.engine.config import ModelConfig
 
 
 class PagedKVCache:
@@ -29,9 +28,8 @@ class PagedKVCache:
     the key/value heads only, which grouped-query attention shares among the query heads."""
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, device, dtype=torch.float32):
-        for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} = {value!r}: must be a whole number >= 1")
+        whole_number("num_blocks", num_blocks)
+        whole_number("block_size", block_size)
         self.num_blocks = num_blocks
         self.block_size = block_size
         shape = (config.n_layers, num_blocks + 1, block_size, config.kv_heads, config.head_dim)  # + the padding block
@@ -43,8 +41,8 @@ class PagedKVCache:
         return self.num_blocks
 
     @property
-    def num_slots(self) -> int:
-        """Every slot, the padding block's included."""
+    def num_entries(self) -> int:
+        """Every entry of a layer, the padding block's included."""
         return (self.num_blocks + 1) * self.block_size
 
     @property
@@ -52,6 +50,6 @@ class PagedKVCache:
         return 2 * self.k.numel() * self.k.element_size()
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer i's keys and values as flat views, (num_slots, n_kv_heads, head_dim) each."""
+        """Layer i's keys and values as flat views, (num_entries, n_kv_heads, head_dim) each."""
         _, _, _, nkv, hs = self.k.shape
-        return self.k[i].view(self.num_slots, nkv, hs), self.v[i].view(self.num_slots, nkv, hs)
+        return self.k[i].view(self.num_entries, nkv, hs), self.v[i].view(self.num_entries, nkv, hs)

@@ -26,23 +26,22 @@ Invariants:
 - a token at position p sees exactly the cache positions 0..p of its own request;
 - the result for a request does not depend on which other requests share the step,
   nor on the attention layout;
-- the K/V this step writes land at `write_slots` before any request reads the cache.
+- the K/V this step writes land at `write_entries` before any request reads the cache.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
-
 import itertools
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from labkit.engine.attention import ATTENTION_LAYOUTS, GatherScratch, plan_attention
+from labkit.engine.attention import GatherScratch, plan_attention
+from labkit.engine.config import ModelConfig
 from labkit.engine.kv import PagedKVCache
-from labkit.engine.rope import LLAMA3_FIELDS, ROPE_SCALING_TYPES, RopeScaling
 
 
 # TinyGPT's stacked projections, and HF's projections each one stacks, in order
@@ -59,150 +58,12 @@ def stack_hf_projections(hf_state: dict[str, torch.Tensor]) -> dict[str, torch.T
     return state
 
 
-# ModelConfig field -> the same field in Hugging Face's LlamaConfig
-_HF_NAMES = (
-    ("vocab_size", "vocab_size"),
-    ("d_model", "hidden_size"),
-    ("n_layers", "num_hidden_layers"),
-    ("n_heads", "num_attention_heads"),
-    ("d_ff", "intermediate_size"),
-    ("max_seq_len", "max_position_embeddings"),
-    ("norm_eps", "rms_norm_eps"),
-)
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """Sizes of TinyGPT. `max_seq_len` is the longest sequence (prompt + output) it accepts.
-
-    attention: "batched" (one pass per layer over every request) or "per_request" (Orca's
-    loop); both give the same tokens, and neither changes a weight.
-    The fields after it describe checkpoints; their defaults are the seeded TinyGPT's:
-    n_kv_heads: key/value heads (None: n_heads), a divisor of n_heads;
-    explicit_head_dim: the size of a head when it is not d_model / n_heads (None: it is);
-    tie_embeddings: the LM head is the embedding matrix;
-    rope_scaling: how the rotary frequencies are scaled (None: not at all);
-    bos_token_id: the begin-of-sequence token every sequence starts with.
-    """
-
-    vocab_size: int = 512
-    d_model: int = 256
-    n_layers: int = 4
-    n_heads: int = 4
-    d_ff: int = 768
-    max_seq_len: int = 2048
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    attention: str = "batched"
-    n_kv_heads: int | None = None
-    explicit_head_dim: int | None = None
-    tie_embeddings: bool = False
-    rope_scaling: RopeScaling | None = None
-    bos_token_id: int = 0
-
-    def __post_init__(self):
-        derived_when_none = ("n_kv_heads", "explicit_head_dim")
-        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len", *derived_when_none):
-            value = getattr(self, name)
-            if value is None and name in derived_when_none:
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} = {value!r}: must be a whole number >= 1")
-        for name in ("rope_theta", "norm_eps"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"{name} = {value!r}: must be a number > 0")
-        if self.attention not in ATTENTION_LAYOUTS:
-            raise ValueError(f"attention = {self.attention!r}: must be one of {', '.join(ATTENTION_LAYOUTS)}")
-        if self.d_model % self.n_heads:
-            raise ValueError(f"d_model = {self.d_model}: must be divisible by n_heads = {self.n_heads}")
-        if self.n_heads % self.kv_heads:
-            raise ValueError(f"n_kv_heads = {self.n_kv_heads}: must divide n_heads = {self.n_heads}")
-        if self.head_dim % 2:
-            field = "d_model" if self.explicit_head_dim is None else "explicit_head_dim"
-            raise ValueError(f"{field} = {getattr(self, field)}: the head size must be even for rotary positions")
-        if not isinstance(self.tie_embeddings, bool):
-            raise ValueError(f"tie_embeddings = {self.tie_embeddings!r}: must be True or False")
-        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
-            raise ValueError(f"rope_scaling = {self.rope_scaling!r}: must be None or a RopeScaling")
-        bos = self.bos_token_id
-        if isinstance(bos, bool) or not isinstance(bos, int) or not 0 <= bos < self.vocab_size:
-            raise ValueError(f"bos_token_id = {bos!r}: must be a token id in 0..{self.vocab_size - 1}")
-
-    @property
-    def head_dim(self) -> int:
-        return self.explicit_head_dim or self.d_model // self.n_heads
-
-    @property
-    def kv_heads(self) -> int:
-        """Key/value heads: n_kv_heads, or n_heads when it is None."""
-        return self.n_kv_heads or self.n_heads
-
-    def to_hf_llama_config(self):
-        """The matching `transformers.LlamaConfig` (fp32, eager attention, no EOS)."""
-        from transformers import LlamaConfig
-
-        scaling = {} if self.rope_scaling is None else {"rope_scaling": {
-            name: value for name, value in asdict(self.rope_scaling).items() if value is not None}}
-        return LlamaConfig(
-            **{hf_name: getattr(self, name) for name, hf_name in _HF_NAMES},
-            num_key_value_heads=self.kv_heads,
-            head_dim=self.head_dim,
-            rope_theta=self.rope_theta,
-            **scaling,
-            hidden_act="silu",
-            attention_bias=False,
-            mlp_bias=False,
-            tie_word_embeddings=self.tie_embeddings,
-            bos_token_id=self.bos_token_id,
-            eos_token_id=None,
-            pad_token_id=None,
-            attn_implementation="eager",
-        )
-
-    @classmethod
-    def from_hf_llama_config(cls, hf_config) -> ModelConfig:
-        """The ModelConfig of an HF `LlamaConfig`; a ValueError names the field TinyGPT cannot express."""
-        rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        checks = {
-            "model_type": (getattr(hf_config, "model_type", "llama"), ("llama",)),
-            "hidden_act": (hf_config.hidden_act, ("silu",)),
-            "attention_bias": (hf_config.attention_bias, (False,)),
-            "mlp_bias": (getattr(hf_config, "mlp_bias", False), (False,)),
-            "rope_type": (rope_type, ("default", *ROPE_SCALING_TYPES)),
-            "partial_rotary_factor": (rope.get("partial_rotary_factor", 1.0), (1.0,)),
-        }
-        for name, (value, supported) in checks.items():
-            if value not in supported:
-                raise ValueError(f"{name} = {value!r}: TinyGPT supports {' or '.join(map(repr, supported))}")
-        if hf_config.bos_token_id is None:
-            raise ValueError("bos_token_id = None: TinyGPT starts every sequence with a begin-of-sequence token")
-        n_heads = hf_config.num_attention_heads
-        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // n_heads
-        kv_heads = getattr(hf_config, "num_key_value_heads", None) or n_heads
-        return cls(
-            **{name: getattr(hf_config, hf_name) for name, hf_name in _HF_NAMES},
-            rope_theta=float(rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))),
-            n_kv_heads=None if kv_heads == n_heads else kv_heads,
-            explicit_head_dim=None if head_dim == hf_config.hidden_size // n_heads else head_dim,
-            tie_embeddings=bool(hf_config.tie_word_embeddings),
-            rope_scaling=None if rope_type == "default" else hf_rope_scaling(rope_type, rope),
-            bos_token_id=hf_config.bos_token_id,
-        )
-
-
-def hf_rope_scaling(rope_type: str, rope: dict) -> RopeScaling:
-    """The RopeScaling of an HF config's rope parameters (rope_type "linear" or "llama3")."""
-    names = ("factor",) if rope_type == "linear" else ("factor", *LLAMA3_FIELDS)
-    return RopeScaling(rope_type, **{name: rope.get(name) for name in names})
-
-
 @dataclass
 class StepBatch:
     """What one engine step feeds the model. Tokens are concatenated request by request.
 
-    input_ids, positions, write_slots: long (T,) on the model's device.
+    input_ids, positions, write_entries: long (T,) on the model's device; write_entries[t] is the
+    cache entry token t's keys and values go to (`labkit.engine.kv`).
     last_rows: long (R,), the row of each request's last new token (its logits are returned).
     block_tables: long (R, max_blocks), request i's block ids in row i, padded with 0.
     num_new[i]: how many of the T tokens belong to request i (prefill: many, decode: 1).
@@ -211,7 +72,7 @@ class StepBatch:
 
     input_ids: torch.Tensor
     positions: torch.Tensor
-    write_slots: torch.Tensor
+    write_entries: torch.Tensor
     last_rows: torch.Tensor
     block_tables: torch.Tensor
     num_new: list[int]
@@ -219,7 +80,7 @@ class StepBatch:
 
     def __post_init__(self):
         num_tokens, num_requests = self.input_ids.shape[0], len(self.num_new)
-        assert self.positions.shape == self.write_slots.shape == (num_tokens,)
+        assert self.positions.shape == self.write_entries.shape == (num_tokens,)
         assert self.last_rows.shape == (num_requests,) == self.block_tables.shape[:1]
         assert len(self.context_lens) == num_requests
         assert sum(self.num_new) == num_tokens and min(self.num_new, default=1) >= 1
@@ -239,7 +100,7 @@ class StepBatch:
         tables = np.zeros((len(num_new), max(len(t) for t in block_tables)), dtype=np.int64)  # (R, max_blocks)
         for row, table in zip(tables, block_tables):
             row[: len(table)] = table
-        write_slots = tables[request_of_row, positions // block_size] * block_size + positions % block_size  # (T,)
+        write_entries = tables[request_of_row, positions // block_size] * block_size + positions % block_size  # (T,)
         input_ids = np.fromiter(itertools.chain.from_iterable(new_tokens), dtype=np.int64, count=num_tokens)
 
         def to_device(array):
@@ -248,7 +109,7 @@ class StepBatch:
         return cls(
             input_ids=to_device(input_ids),
             positions=to_device(positions),
-            write_slots=to_device(write_slots),
+            write_entries=to_device(write_entries),
             last_rows=to_device(first_row + np.array(num_new) - 1),
             block_tables=to_device(tables),
             num_new=num_new,
@@ -313,15 +174,15 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(config.d_model, q_size + 2 * kv_size, bias=False)  # HF's q_proj, k_proj, v_proj
         self.o_proj = nn.Linear(q_size, config.d_model, bias=False)
 
-    def forward(self, x, cos, signed_sin, write_slots, k_cache, v_cache, attention):
+    def forward(self, x, cos, signed_sin, write_entries, k_cache, v_cache, attention):
         T, _ = x.shape
         nh, nkv, hs = self.n_heads, self.n_kv_heads, self.head_dim
         qkv = self.qkv_proj(x).view(T, nh + 2 * nkv, hs)  # (T, nh + 2 nkv, hs): one GEMM, the heads of q, k, v
         qk = rotate(qkv[:, : nh + nkv], cos[:, None], signed_sin[:, None])  # (T, nh + nkv, hs): q and k at once
         q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv :]  # (T, nh, hs), (T, nkv, hs), (T, nkv, hs)
         # write this step's keys and values, then let each request read its whole context
-        k_cache.index_copy_(0, write_slots, k)
-        v_cache.index_copy_(0, write_slots, v)
+        k_cache.index_copy_(0, write_entries, k)
+        v_cache.index_copy_(0, write_entries, v)
         y = attention(q, k_cache, v_cache)  # (T, nh, hs)
         return self.o_proj(y.reshape(T, nh * hs))  # (T, C)
 
@@ -337,7 +198,10 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
-class Block(nn.Module):
+class DecoderLayer(nn.Module):
+    """One transformer layer, HF's `LlamaDecoderLayer`: attention, then the MLP, each on a normed
+    input and added back to the residual stream."""
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.input_layernorm = RMSNorm(config)
@@ -345,18 +209,18 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(config)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, signed_sin, write_slots, k_cache, v_cache, attention):
-        x = x + self.self_attn(self.input_layernorm(x), cos, signed_sin, write_slots, k_cache, v_cache, attention)
+    def forward(self, x, cos, signed_sin, write_entries, k_cache, v_cache, attention):
+        x = x + self.self_attn(self.input_layernorm(x), cos, signed_sin, write_entries, k_cache, v_cache, attention)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class Body(nn.Module):
-    """Embedding, blocks and final norm: HF's `LlamaModel`, the `model.` of its state dict."""
+    """Embedding, decoder layers and final norm: HF's `LlamaModel`, the `model.` of its state dict."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.d_model)
-        self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.n_layers))
         self.norm = RMSNorm(config)
 
 
@@ -389,16 +253,16 @@ class TinyGPT(nn.Module):
         """One step: write the new tokens' K/V; return (num_requests, vocab) logits of each last new token."""
         attention = plan_attention(self.config.attention, batch.num_new, batch.context_lens, batch.block_tables,
                                    cache.block_size, self.gather_scratch)
-        return self.logits(batch.input_ids, batch.positions, batch.write_slots, batch.last_rows, cache, attention)
+        return self.logits(batch.input_ids, batch.positions, batch.write_entries, batch.last_rows, cache, attention)
 
     @torch.no_grad()
-    def logits(self, input_ids, positions, write_slots, last_rows, cache: PagedKVCache, attention) -> torch.Tensor:
+    def logits(self, input_ids, positions, write_entries, last_rows, cache: PagedKVCache, attention) -> torch.Tensor:
         """The layers on (T,) tokens with an attention plan already made; (R, vocab) logits at `last_rows`.
         Tensors only, so a CUDA graph can capture it (labkit.engine.cuda_graphs)."""
         x = self.model.embed_tokens(input_ids)  # (T, C)
         cos, signed_sin = self.rotary(positions)  # (T, hs) each
-        for i, block in enumerate(self.model.layers):
-            x = block(x, cos, signed_sin, write_slots, *cache.layer(i), attention)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, signed_sin, write_entries, *cache.layer(i), attention)
         return self.lm_head(self.model.norm(x.index_select(0, last_rows)))  # (R, vocab)
 
     def load_hf_llama(self, hf_model) -> TinyGPT:

@@ -7,7 +7,7 @@ transformers does it. Each request gets the engine's prompt ids (`Engine.prompt_
 emits exactly its output length (no EOS), so its greedy tokens can be compared with
 labkit's, id for id.
 
-Invariants: a `GenerateLog` is a `labkit.sched.metrics.RunLog` (per request, the time of
+Invariants: a `GenerateLog` is a `labkit.analysis.metrics.RunLog` (per request, the time of
 every token on the run's clock, from 0 when the first batch starts), and its `num_steps`
 counts forward passes, which equals `simulate`'s steps for `Static` on the same trace.
 transformers is imported when first needed (it is in the `lab` and `test` extras).
@@ -70,6 +70,22 @@ class GenerateLog(RequestTimes):
 
 def generate_static(model, prompts: list[list[int]], trace: Trace, batch_size: int) -> GenerateLog:
     """transformers' greedy `generate` on `trace` in static batches of `batch_size`, in trace order."""
+    tokens_at, outputs, num_steps = [], {}, 0
+    start = time.perf_counter()
+    for first in range(0, len(trace), batch_size):
+        lengths = trace.output_lengths[first : first + batch_size]
+        step_ends, tokens = generate_batch(model, prompts[first : first + batch_size], int(lengths.max()))
+        step_times = step_ends - start  # (steps,)
+        num_steps += len(step_times)
+        for row, length in enumerate(lengths):
+            tokens_at.append(step_times[:length])
+            outputs[int(trace.ids[first + row])] = tokens[row, :length].tolist()
+    return GenerateLog(trace, tokens_at, outputs, num_steps)
+
+
+def generate_batch(model, prompts: list[list[int]], num_steps: int) -> tuple[np.ndarray, torch.Tensor]:
+    """One static batch through `generate`, its prompts padded on the left, for `num_steps`
+    steps: when each step ended (perf_counter seconds) and the (B, num_steps) tokens generated."""
     from transformers.generation.streamers import BaseStreamer
 
     class StepClock(BaseStreamer):
@@ -84,23 +100,14 @@ def generate_static(model, prompts: list[list[int]], trace: Trace, batch_size: i
         def end(self):
             pass
 
-    tokens_at, outputs, num_steps = [], {}, 0
-    start = time.perf_counter()
-    for first in range(0, len(trace), batch_size):
-        batch, lengths = prompts[first : first + batch_size], trace.output_lengths[first : first + batch_size]
-        width, steps = max(map(len, batch)), int(lengths.max())
-        ids = torch.tensor([[PAD] * (width - len(p)) + p for p in batch], device=model.device)  # (B, width)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=model.device)  # (B, width)
-        clock = StepClock()
-        with torch.inference_mode():
-            tokens = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=steps,
-                                    min_new_tokens=steps, eos_token_id=None, pad_token_id=PAD, streamer=clock)
-        step_times = np.array(clock.times[1:]) - start  # (steps,): the first put is the prompt
-        num_steps += len(step_times)
-        for row, length in enumerate(lengths):
-            tokens_at.append(step_times[:length])
-            outputs[int(trace.ids[first + row])] = tokens[row, width : width + length].tolist()
-    return GenerateLog(trace, tokens_at, outputs, num_steps)
+    width = max(map(len, prompts))
+    ids = torch.tensor([[PAD] * (width - len(p)) + p for p in prompts], device=model.device)  # (B, width)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)  # (B, width)
+    clock = StepClock()
+    with torch.inference_mode():
+        tokens = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=num_steps,
+                                min_new_tokens=num_steps, eos_token_id=None, pad_token_id=PAD, streamer=clock)
+    return np.array(clock.times[1:]), tokens[:, width:]  # the first put is the prompt
 
 
 def byte_level_tokenizer():

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from labkit.checks import number
+
 ROPE_SCALING_TYPES = ("linear", "llama3")
 LLAMA3_FIELDS = ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
@@ -44,8 +46,7 @@ class RopeScaling:
     def __post_init__(self):
         if self.rope_type not in ROPE_SCALING_TYPES:
             raise ValueError(f"rope_type = {self.rope_type!r}: must be one of {', '.join(ROPE_SCALING_TYPES)}")
-        if not _is_number(self.factor) or not self.factor >= 1:
-            raise ValueError(f"factor = {self.factor!r}: must be a number >= 1")
+        number("factor", self.factor, 1, or_equal=True)
         llama3 = {name: getattr(self, name) for name in LLAMA3_FIELDS}
         if self.rope_type == "linear":
             for name, value in llama3.items():

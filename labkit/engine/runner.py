@@ -2,9 +2,10 @@
 
 `Engine.run(trace, policy)` takes the same policy objects as `labkit.simulate` and
 returns the same `StepLog`: the shared loop in `labkit.sched.driver` asks the policy,
-applies its decision and records the step; the back end in `labkit.engine.steps` only
-executes steps. With `overlap=True` the loop is `labkit.sched.overlap`'s, one step ahead,
-and the back end `labkit.engine.overlap`'s.
+applies its decision and records the step; the engine only executes steps. A
+`ModelRunner` (`labkit.engine.model_runner`) runs each step on the model, and a back end
+around it times and logs it (`labkit.engine.steps`). With `overlap=True` the loop is
+`labkit.sched.overlap`'s, one step ahead, and the back end `labkit.engine.overlap`'s.
 
 Invariants:
 
@@ -32,22 +33,28 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 
 import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from labkit.checks import whole_number
+from labkit.engine.config import ModelConfig
 from labkit.engine.cuda_graphs import DecodeGraphs
 from labkit.engine.device import default_threads, resolve_device, torch_threads
 from labkit.engine.kv import PagedKVCache
-from labkit.engine.model import ModelConfig, TinyGPT
-from labkit.engine.overlap import OverlappedSteps
-from labkit.engine.steps import TorchSteps
+from labkit.engine.model import TinyGPT
+from labkit.engine.model_runner import ModelRunner, Sampler, greedy
+from labkit.engine.overlap import OverlappedRunner
+from labkit.engine.steps import TimedRunner
 from labkit.engine.timing import decode_step_parts, decode_step_seconds
 from labkit.sched import BlockPool, StepLog
 from labkit.sched.driver import drive
 from labkit.sched.overlap import drive_overlapped
 from labkit.sched.policy import check_policy
+from labkit.sched.scheduler import kv_pool
 from labkit.traffic import Trace
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -58,21 +65,24 @@ def sequence_lengths(trace: Trace) -> np.ndarray:
     return trace.prompt_lengths + trace.output_lengths
 
 
+def _check_knobs(threads, dtype, overlap, extra_host_seconds) -> None:
+    """A ValueError naming the first of an Engine's knobs that has a value it cannot take."""
+    whole_number("threads", threads, or_none=True)
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype = {dtype!r}: must be one of {', '.join(DTYPES)}")
+    if not isinstance(overlap, bool):
+        raise ValueError(f"overlap = {overlap!r}: must be True or False")
+    if isinstance(extra_host_seconds, bool) or not isinstance(extra_host_seconds, (int, float)) or not (
+            0 <= extra_host_seconds < 1):
+        raise ValueError(f"extra_host_seconds = {extra_host_seconds!r}: must be a number of seconds in [0, 1)")
+
+
 class Engine:
     """A tiny transformer with a paged KV cache, driven by a scheduling policy."""
 
-    def __init__(
-        self,
-        config: ModelConfig | None = None,
-        device: str = "auto",
-        seed: int = 0,
-        model: TinyGPT | None = None,
-        threads: int | None = None,
-        dtype: str = "float32",
-        cuda_graphs: bool = True,
-        overlap: bool = False,
-        extra_host_seconds: float = 0.0,
-    ):
+    def __init__(self, config: ModelConfig | None = None, device: str = "auto", seed: int = 0,
+                 model: TinyGPT | None = None, threads: int | None = None, dtype: str = "float32",
+                 cuda_graphs: bool = True, overlap: bool = False, extra_host_seconds: float = 0.0):
         """threads: torch's intra-op CPU threads while the engine works; by default every
         CPU but one (`labkit.engine.device.default_threads` says why).
         dtype: "float32" (the default, for exact comparisons), "bfloat16" or "float16".
@@ -80,17 +90,9 @@ class Engine:
         (`labkit.engine.cuda_graphs`); ignored elsewhere.
         overlap: schedule and prepare step t+1 while step t runs (`labkit.engine.overlap`).
         extra_host_seconds: busy Python work added to every step's host side, a knob to make
-        the host's share large on purpose (`labkit.engine.steps.busy_python`).
+        the host's share large on purpose (`labkit.engine.model_runner.busy_python`).
         """
-        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
-            raise ValueError(f"threads = {threads!r}: must be a whole number >= 1")
-        if not isinstance(overlap, bool):
-            raise ValueError(f"overlap = {overlap!r}: must be True or False")
-        if isinstance(extra_host_seconds, bool) or not isinstance(extra_host_seconds, (int, float)) or not (
-                0 <= extra_host_seconds < 1):
-            raise ValueError(f"extra_host_seconds = {extra_host_seconds!r}: must be a number of seconds in [0, 1)")
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype = {dtype!r}: must be one of {', '.join(DTYPES)}")
+        _check_knobs(threads, dtype, overlap, extra_host_seconds)
         self.device = resolve_device(device)
         self.dtype_name, self.dtype = dtype, DTYPES[dtype]
         self.model = (model or TinyGPT(config or ModelConfig(), seed=seed)).to(self.device, self.dtype).eval()
@@ -119,28 +121,34 @@ class Engine:
         check_policy(policy)
         self._check_fits(trace)
         self._check_vocabulary(trace)
-        blocks = BlockPool(self._num_blocks(trace, policy), policy.block_size)
-        cache = PagedKVCache(self.config, blocks.num_blocks, blocks.block_size, self.device, self.dtype)
-        graphs = DecodeGraphs(self.model, cache) if self.cuda_graphs else None
+        blocks = kv_pool(policy, int(sequence_lengths(trace).max()))
+        runner = self.model_runner(blocks, functools.partial(self.prompt, trace))
         with torch.inference_mode(), torch_threads(self.threads), tqdm(
             total=int(trace.output_lengths.sum()), unit="tok", delay=1.0, disable=not progress, leave=False
         ) as bar:
             if self.overlap:
-                with OverlappedSteps(self, cache, trace, graphs, progress=bar) as steps:
-                    log = drive_overlapped(trace, policy, steps, on_step, blocks)
+                with OverlappedRunner(runner, len(trace), bar) as overlapped:
+                    log = drive_overlapped(trace, policy, overlapped, on_step, blocks)
             else:
-                steps = TorchSteps(self, cache, trace, graphs, progress=bar)
-                log = drive(trace, policy, steps, on_step, blocks)
+                log = drive(trace, policy, TimedRunner(runner, bar), on_step, blocks)
         assert blocks.num_free_blocks == blocks.num_blocks, "a run must return every KV block"
-        log.outputs = {int(trace.ids[i]): tokens[len(steps.prompt(i)) :] for i, tokens in steps.sequences.items()}
+        log.outputs = {int(trace.ids[i]): sequence[1 + int(trace.prompt_lengths[i]) :]  # after BOS and the prompt
+                       for i, sequence in runner.sequences.items()}
         return log
 
-    def _num_blocks(self, trace: Trace, policy) -> int:
-        """The policy's pool, or one where every slot can hold the longest request."""
-        if policy.num_blocks is not None:
-            return policy.num_blocks
-        longest = int(sequence_lengths(trace).max())
-        return policy.num_slots * -(-longest // policy.block_size)
+    def model_runner(self, blocks: BlockPool, prompt: Callable[[int], list[int]], sample: Sampler = greedy) -> ModelRunner:
+        """A runner of this engine's model over a new KV cache of `blocks`' size, with CUDA graphs
+        if the engine uses them; `prompt(index)`: BOS and the prompt of the request at `index`."""
+        cache = PagedKVCache(self.config, blocks.num_blocks, blocks.block_size, self.device, self.dtype)
+        graphs = DecodeGraphs(self.model, cache) if self.cuda_graphs else None
+        return ModelRunner(self.model, cache, prompt, graphs, sample, self.extra_host_seconds)
+
+    def prompt(self, trace: Trace, index: int) -> list[int]:
+        """BOS and the prompt of the request at `index` in `trace`: the trace's ids if it has them,
+        else drawn from the engine's seed and the request's id."""
+        if trace.prompt_tokens:
+            return [self.config.bos_token_id, *trace.prompt_tokens[index].tolist()]
+        return self.prompt_ids(int(trace.ids[index]), int(trace.prompt_lengths[index]))
 
     def time_decode_step(self, batch_size: int, context_len: int = 128, repeats: int = 5, block_size: int = 16) -> float:
         """Median seconds of one decode step of `batch_size` requests, each `context_len` tokens deep."""

@@ -29,6 +29,7 @@ from labkit.engine.cuda_graphs import DecodeGraphs
 from labkit.engine.device import torch_threads
 from labkit.engine.kv import PagedKVCache
 from labkit.engine.model import StepBatch
+from labkit.sched.blocks import num_blocks_for
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,7 @@ def _median_seconds(call, device: torch.device, repeats: int) -> float:
 def _decode_step(engine, context_lens: list[int], block_size: int) -> tuple[PagedKVCache, StepBatch]:
     """A cache and a decode step of one request per entry of `context_lens`, each at position context_len - 1,
     its blocks laid out one request after another."""
-    blocks_each = [-(-length // block_size) for length in context_lens]
+    blocks_each = [num_blocks_for(length, block_size) for length in context_lens]
     cache = PagedKVCache(engine.config, sum(blocks_each), block_size, engine.device, engine.dtype)
     first_blocks = np.cumsum(blocks_each) - blocks_each  # (B,)
     tables = [np.arange(first, first + count) for first, count in zip(first_blocks, blocks_each)]

@@ -1,18 +1,19 @@
-"""labkit.sched: every scheduling decision and every counter. Imports numpy and labkit.traffic only."""
+"""labkit.sched: every scheduling decision and every counter. Imports numpy and labkit.traffic only;
+what is measured from a run (metrics, cost fits, multipliers) is `labkit.analysis`,
+which imports sched and is never imported by it."""
 
-from labkit.sched import hardware, metrics, multiplier
 from labkit.sched.blocks import BlockPool
-from labkit.sched.cost import CostFit, CostModel
+from labkit.sched.cost import CostModel
 from labkit.sched.driver import drive
 from labkit.sched.ordered import Priority, ShortestPredictedFirst
-from labkit.sched.policy import Continuous, Decision, Dynamic, Static
+from labkit.sched.policy import Continuous, Dynamic, Static
+from labkit.sched.scheduler import Scheduler
 from labkit.sched.simulator import DEFAULT_STEP_TIME, simulate
-from labkit.sched.state import Request, SchedulerState
+from labkit.sched.state import Decision, Request, SchedulerState
 from labkit.sched.steplog import StepLog
 
 __all__ = [
     "BlockPool",
-    "CostFit",
     "CostModel",
     "Continuous",
     "DEFAULT_STEP_TIME",
@@ -20,13 +21,11 @@ __all__ = [
     "Dynamic",
     "Priority",
     "Request",
+    "Scheduler",
     "SchedulerState",
     "ShortestPredictedFirst",
     "Static",
     "StepLog",
     "drive",
-    "hardware",
-    "metrics",
-    "multiplier",
     "simulate",
 ]

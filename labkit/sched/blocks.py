@@ -13,14 +13,20 @@ Invariants:
 
 from __future__ import annotations
 
+from labkit.checks import whole_number
+
+
+def num_blocks_for(num_tokens: int, block_size: int) -> int:
+    """The blocks of `block_size` tokens that `num_tokens` tokens fill: ceil(num_tokens / block_size)."""
+    return -(-num_tokens // block_size)
+
 
 class BlockPool:
     """A fixed pool of `num_blocks` KV blocks of `block_size` tokens each."""
 
     def __init__(self, num_blocks: int, block_size: int):
-        for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} = {value!r}: must be a whole number >= 1")
+        whole_number("num_blocks", num_blocks)
+        whole_number("block_size", block_size)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.free_ids = list(range(num_blocks - 1, -1, -1))  # a stack: block 0 is lent first
@@ -30,7 +36,7 @@ class BlockPool:
         return len(self.free_ids)
 
     def num_blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return num_blocks_for(num_tokens, self.block_size)
 
     def allocate(self, block_table: list[int], num_blocks: int) -> None:
         """Lend `num_blocks` more blocks, appended to `block_table`."""

@@ -1,11 +1,11 @@
 """The loop both back ends share: arrivals, the policy's decision, a step, the record.
 
-A back end only executes steps. `drive` asks the policy, applies its decision to the
-`SchedulerState`, hands the scheduled requests to `backend.execute`, counts the step
-done and writes the `StepLog`, so the simulator and the engine cannot disagree on who
-runs when. It asks the policy before every step; `labkit.sched.fastforward` is the
-same loop for a back end that knows its step times in advance, running each decision
-for as many steps as it holds.
+A back end only executes steps. `drive` takes in a trace's arrivals, has the `Scheduler`
+schedule a step (ask the policy, apply its decision), hands the batch to
+`backend.execute`, has the scheduler count the step done, and writes its record into the
+`StepLog`, so the simulator and the engine cannot disagree on who runs when. It asks the
+policy before every step; `labkit.sched.fastforward` is the same loop for a back end
+that knows its step times in advance, running each decision for as many steps as it holds.
 
 Invariants:
 
@@ -27,13 +27,13 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 
 from labkit.sched.blocks import BlockPool
-from labkit.sched.policy import Decision, check_policy
+from labkit.sched.policy import check_policy
+from labkit.sched.scheduler import Scheduler, kv_pool
 from labkit.sched.state import Batch, Request, SchedulerState
 from labkit.sched.steplog import TIME_SLACK, StepLog
 from labkit.traffic import Trace
@@ -56,64 +56,49 @@ def drive(
 ) -> StepLog:
     """Serve `trace` with `policy` on `backend`; `on_step(log)` is called after every step if given.
 
-    blocks: the KV pool; by default the policy's (`num_blocks`), or none when that is unlimited.
+    blocks: the KV pool; by default the policy's (`kv_pool`), or none when that is unlimited.
     """
-    state, pending, log = start_run(trace, policy, blocks)
+    scheduler, pending = start_run(trace, policy, blocks)
+    state, log = scheduler.state, scheduler.log
     num_unfinished = len(state.by_id)
     while num_unfinished:
-        decision, batch = next_batch(state, pending, policy, log)  # ask and apply
+        batch = next_batch(scheduler, pending)  # arrivals, decide, apply
         if not batch.size:
-            wait(state, pending, decision, policy)
-            continue
-        state.allocate(batch)
+            continue  # the clock moved on to the next arrival or wake time
         seconds = backend.execute(state, batch, log)  # execute
-        steps = complete_step(state, batch, decision)  # count it done
-        log_steps(log, steps, state.now, seconds)  # record
+        record = scheduler.postprocess(batch)  # count it done
+        record.log_to(log, state.now, seconds)  # record
         state.now += seconds
-        num_unfinished -= len(steps.finished)
+        num_unfinished -= len(record.finished)
         if on_step:
             on_step(log)
-    end_run(state)
+    scheduler.release_finished()
     return log
 
 
-def start_run(trace: Trace, policy, blocks: BlockPool | None) -> tuple[SchedulerState, Pending, StepLog]:
-    """Check that `policy` is one and can serve every request; the state, arrivals and log of a new run."""
+def start_run(trace: Trace, policy, blocks: BlockPool | None) -> tuple[Scheduler, Pending]:
+    """Check that `policy` is one and can serve every request; the scheduler (its state and log)
+    and the arrivals of a new run."""
     check_policy(policy)
     requests = _requests(trace)
     for request in requests:
         policy.check_fits(request)
-    if blocks is None and policy.num_blocks is not None:
-        blocks = BlockPool(policy.num_blocks, policy.block_size)
-    state = SchedulerState(policy.num_slots, requests, blocks, getattr(policy, "queue_order", None))
+    blocks = blocks if blocks is not None else kv_pool(policy)
+    scheduler = Scheduler(policy, requests, blocks, StepLog(trace, policy.num_slots, repr(policy)))
     pending = Pending(requests)
-    state.now = pending.next_arrival()
-    return state, pending, StepLog(trace, policy.num_slots, repr(policy))
+    scheduler.state.now = pending.next_arrival()
+    return scheduler, pending
 
 
-def next_batch(state: SchedulerState, pending: Pending, policy, log: StepLog) -> tuple[Decision, Batch]:
-    """Take in the arrivals, ask the policy, apply its decision; who works in the next step."""
+def next_batch(scheduler: Scheduler, pending: Pending) -> Batch:
+    """Take in the arrivals and schedule the next step; when nobody runs, move the clock to
+    the next arrival or the time the policy wakes at."""
+    state = scheduler.state
     state.waiting.extend(pending.arrived_by(state.now))
-    decision = policy.schedule(state)
-    if decision.preempt:
-        log.count_preemptions(state.num_steps, [state.by_id[i] for i in decision.preempt])
-    for request in state.apply(decision):
-        log.admit_step[request.index] = state.num_steps
-        if policy.reserves_whole_length:
-            state.reserve(request)
-    return decision, state.batch(decision, policy.pads_finished)
-
-
-def wait(state: SchedulerState, pending: Pending, decision: Decision, policy) -> None:
-    """Nothing runs: move the clock to the next arrival or wake time, unless the decision
-    released or preempted someone (the policy may then decide anew at once)."""
-    if not (decision.preempt or decision.release):
-        state.now = idle_until(state, pending, decision, policy)
-
-
-def end_run(state: SchedulerState) -> None:
-    """Free every slot a finished request still holds."""
-    state.apply(Decision(release=tuple(r.id for r in state.finished_in_slots())))
+    batch = scheduler.schedule()
+    if not batch.size:
+        state.now = idle_until(scheduler, pending)
+    return batch
 
 
 def _requests(trace: Trace) -> list[Request]:
@@ -153,71 +138,16 @@ class Pending:
         return bisect.bisect_right(self._times, moment + TIME_SLACK, lo=self._num_arrived)
 
 
-def idle_until(state: SchedulerState, pending: Pending, decision: Decision, policy) -> float:
+def idle_until(scheduler: Scheduler, pending: Pending) -> float:
     """The next time anything can happen while nothing runs, or an error if never."""
+    state, decision = scheduler.state, scheduler.decision
     wakes = [pending.next_arrival()] if pending else []
     if decision.wake_at is not None:
         wakes.append(decision.wake_at)
     if not wakes or min(wakes) <= state.now:
         reason = decision.blocked or "the policy admits none of them"
         raise RuntimeError(
-            f"{policy!r} can make no progress at t = {state.now:.3f} s: {len(state.waiting)} requests wait "
+            f"{scheduler.policy!r} can make no progress at t = {state.now:.3f} s: {len(state.waiting)} requests wait "
             f"({reason}), nothing runs, and nothing is due to arrive or wake the policy"
         )
     return min(wakes)
-
-
-@dataclass(slots=True)
-class Steps:
-    """What a run of `count` identical steps did, for the log: who worked in which slot, the
-    finished rows computed as padding, the queue, and the requests whose prefill chunks ran,
-    whose first token came, or who finished."""
-
-    row: list[int]
-    num_padded: int
-    count: int
-    num_queued: int
-    blocked: str
-    decided_at: float
-    num_emitted: int
-    num_blocks_used: object  # a number, or a function giving one per step (`labkit.sched.fastforward`)
-    first_step: int
-    prefills: list[tuple[int, int]]  # (slot, prompt tokens) of each prompt, chunk or recompute
-    first_tokens: list[int]  # trace indices
-    finished: list[int]  # trace indices
-
-
-def complete_step(state: SchedulerState, batch: Batch, decision: Decision) -> Steps:
-    """Count one step of `batch` done in `state` (its blocks allocated) and say what it did."""
-    steps = describe_step(state, batch, decision)
-    steps.finished = state.complete(batch)
-    return steps
-
-
-def describe_step(state: SchedulerState, batch: Batch, decision: Decision) -> Steps:
-    """The log's view of the step `batch` is about to run, before its counters move."""
-    row = [-1] * state.num_slots
-    num_emitted, prefills, first_tokens = 0, [], []
-    for request, num_tokens in batch.rows:
-        row[request.slot] = request.id
-        emits = num_tokens == request.num_uncomputed
-        num_emitted += emits
-        if not request.is_decoding:
-            prefills.append((request.slot, num_tokens))
-            if emits and not request.num_generated:
-                first_tokens.append(request.index)
-    num_blocks_used = state.blocks.num_blocks - state.blocks.num_free_blocks if state.blocks is not None else 0
-    return Steps(row, len(batch.padding), 1, len(state.waiting), decision.blocked, state.now, num_emitted, num_blocks_used,
-                 state.num_steps, prefills, first_tokens, [])
-
-
-def log_steps(log: StepLog, steps: Steps, start: float, seconds, arrivals: np.ndarray | None = None) -> None:
-    """Write `steps` into the log, starting at `start` and lasting `seconds` each (or a RunSeconds)."""
-    log.append(steps.row, steps.count, steps.num_queued, steps.blocked, start, seconds, steps.num_emitted,
-               steps.num_blocks_used, arrivals, steps.num_padded)
-    if steps.prefills:
-        log.mark_prefills(steps.first_step, steps.prefills)
-    for index in steps.first_tokens:
-        log.first_token_step[index] = steps.first_step
-    if steps.finished:
-        log.finish_step[steps.finished] = steps.first_step + steps.count - 1

@@ -33,9 +33,10 @@ from typing import Protocol
 import numpy as np
 
 from labkit.sched.blocks import BlockPool
-from labkit.sched.driver import Pending, Steps, describe_step, end_run, log_steps, next_batch, start_run, wait
-from labkit.sched.policy import HEAD_BLOCKED, NO_BUDGET, Decision
-from labkit.sched.state import Batch, Request, SchedulerState
+from labkit.sched.driver import Pending, next_batch, start_run
+from labkit.sched.policy import HEAD_BLOCKED, NO_BUDGET
+from labkit.sched.scheduler import Scheduler, StepRecord
+from labkit.sched.state import Batch, Decision, Request, SchedulerState
 from labkit.sched.steplog import TIME_SLACK, RunSeconds, StepLog
 from labkit.traffic import Trace
 
@@ -54,27 +55,26 @@ class PlannedBackend(Protocol):
 
 def fast_forward(trace: Trace, policy, backend: PlannedBackend, blocks: BlockPool | None = None) -> StepLog:
     """Serve `trace` with `policy` as `drive` does, each decision run until the next event."""
-    state, pending, log = start_run(trace, policy, blocks)
+    scheduler, pending = start_run(trace, policy, blocks)
+    state, log = scheduler.state, scheduler.log
     num_unfinished = len(state.by_id)
     while num_unfinished:
-        decision, batch = next_batch(state, pending, policy, log)
+        batch = next_batch(scheduler, pending)
         if not batch.size:
-            wait(state, pending, decision, policy)
             continue
-        state.allocate(batch)
-        steps = describe_step(state, batch, decision)
-        num_steps, growth = plan_run(state, batch, steps, pending, decision, backend, policy)
+        record = StepRecord.of(state, batch, scheduler.decision.blocked)
+        num_steps, growth = plan_run(scheduler, batch, record, pending, backend)
         seconds = backend.execute(state, batch, log, num_steps)
-        run_steps(state, batch, steps, num_steps, growth)
+        run_steps(state, batch, record, num_steps, growth)
         end = state.now + (seconds.total if isinstance(seconds, RunSeconds) else num_steps * seconds)
-        log_steps(log, steps, state.now, seconds, pending.times_by(end) if num_steps > 1 else None)
+        record.log_to(log, state.now, seconds, pending.times_by(end) if num_steps > 1 else None)
         state.now = end
-        num_unfinished -= len(steps.finished)
-    end_run(state)
+        num_unfinished -= len(record.finished)
+    scheduler.release_finished()
     return log
 
 
-def repeats(decision: Decision, batch: Batch, first: Steps) -> bool:
+def repeats(decision: Decision, batch: Batch, first: StepRecord) -> bool:
     """Whether the steps after the `first` are scheduled alike until the next event: every
     request emits in it, so it decodes next; nobody was preempted (a preempting step admits
     nobody); and no waiting request was held back only by budget this step's prefills use."""
@@ -83,15 +83,16 @@ def repeats(decision: Decision, batch: Batch, first: Steps) -> bool:
     return decision.blocked != NO_BUDGET or not first.prefills
 
 
-def plan_run(state: SchedulerState, batch: Batch, first: Steps, pending: Pending, decision: Decision,
-             backend: PlannedBackend, policy) -> tuple[int, Growth | None]:
-    """Steps the decision holds for, the `first` of which may complete prefills: until a
-    request finishes, the free blocks stop covering the growth, one arrives (if that
+def plan_run(scheduler: Scheduler, batch: Batch, first: StepRecord, pending: Pending,
+             backend: PlannedBackend) -> tuple[int, Growth | None]:
+    """Steps the scheduler's decision holds for, the `first` of which may complete prefills:
+    until a request finishes, the free blocks stop covering the growth, one arrives (if that
     matters), or the policy wakes. Also who grows block by block, if anyone."""
+    state, decision = scheduler.state, scheduler.decision
     if not repeats(decision, batch, first):
         return 1, None
     count = min([request.output_len - request.num_generated for request, _ in batch.rows])
-    arrivals_matter = not (getattr(policy, "admits_in_order", False) and decision.blocked in HEAD_BLOCKED)
+    arrivals_matter = not (getattr(scheduler.policy, "admits_in_order", False) and decision.blocked in HEAD_BLOCKED)
     moments = [m for m in (pending.next_arrival() if arrivals_matter else None, decision.wake_at) if m is not None]
     if moments:
         count = backend.steps_until(batch, count, min(moments) - state.now - TIME_SLACK)
@@ -146,23 +147,23 @@ def steps_within(phases: np.ndarray, num_free_blocks: int, block_size: int) -> i
     return int(phases[position]) + cycles * block_size - 1
 
 
-def run_steps(state: SchedulerState, batch: Batch, steps: Steps, num_steps: int, growth: Growth | None) -> None:
-    """Count `num_steps` steps of `batch` done, and fill in `steps`, the log's view of the first:
-    one step as `drive` counts it, or, for a run, each request emits `num_steps` tokens and
-    leaves its next one uncomputed, and each growing one takes its blocks."""
+def run_steps(state: SchedulerState, batch: Batch, record: StepRecord, num_steps: int, growth: Growth | None) -> None:
+    """Count `num_steps` steps of `batch` done, and fill in `record`, made before the first:
+    one step as `Scheduler.postprocess` counts it, or, for a run, each request emits
+    `num_steps` tokens and leaves its next one uncomputed, and each growing one takes its blocks."""
     if num_steps == 1:
-        steps.finished = state.complete(batch)
+        record.finished = state.complete(batch)
         return
     for request, _ in batch.rows:
         request.num_generated += num_steps
         request.num_computed, request.num_uncomputed = request.num_prompt_tokens + request.num_generated - 1, 1
         if request.num_generated == request.output_len:
-            steps.finished.append(request.index)
+            record.finished.append(request.index)
     state.num_steps += num_steps
-    steps.count = num_steps
+    record.count = num_steps
     if growth is not None:
         growth.take_blocks(state.blocks, num_steps)
-        steps.num_blocks_used = growth.blocks_in_use(steps.num_blocks_used, num_steps)
+        record.num_blocks_used = growth.blocks_in_use(record.num_blocks_used, num_steps)
 
 
 class BlocksInUse:

@@ -31,8 +31,9 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from labkit.sched.policy import NO_BLOCKS, NO_SLOT, Continuous, Decision, StepPlan
-from labkit.sched.state import Request, SchedulerState
+from labkit.checks import number, whole_number
+from labkit.sched.policy import NO_BLOCKS, NO_SLOT, Continuous, StepPlan
+from labkit.sched.state import Decision, Request, SchedulerState
 
 
 @dataclass(frozen=True, repr=False)
@@ -100,11 +101,8 @@ class ShortestPredictedFirst(Continuous):
 
     def __post_init__(self):
         super().__post_init__()
-        if isinstance(self.noise, bool) or not isinstance(self.noise, (int, float)) or not (
-                math.isfinite(self.noise) and self.noise >= 0):
-            raise ValueError(f"noise = {self.noise!r}: must be a finite number >= 0")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise ValueError(f"seed = {self.seed!r}: must be a whole number >= 0")
+        number("noise", self.noise, or_equal=True)
+        whole_number("seed", self.seed, 0)
 
     def predicted_output_len(self, request: Request) -> float:
         z = np.random.default_rng([self.seed, request.id]).standard_normal()

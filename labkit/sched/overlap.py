@@ -11,7 +11,7 @@ far each request has got, never the token it sampled: every request's output len
 known, so who finishes at step t is known when step t is launched. The back end stands
 a placeholder for each token still being sampled and resolves it on the device.
 
-Invariants, beyond `labkit.sched.driver`'s:
+Invariants, beyond those of `labkit.sched.driver` and `labkit.sched.scheduler`:
 
 - at most one step is in flight; steps land in order;
 - the decision for step t+1 is made at the start of step t: it sees the arrivals up to
@@ -28,7 +28,8 @@ from collections.abc import Callable
 from typing import NamedTuple, Protocol
 
 from labkit.sched.blocks import BlockPool
-from labkit.sched.driver import Steps, complete_step, end_run, idle_until, log_steps, next_batch, start_run
+from labkit.sched.driver import Pending, idle_until, start_run
+from labkit.sched.scheduler import Scheduler, StepRecord
 from labkit.sched.state import Batch, SchedulerState
 from labkit.sched.steplog import StepLog
 from labkit.traffic import Trace
@@ -60,7 +61,7 @@ class FixedLanding:
 
 class _InFlight(NamedTuple):
     launched: object
-    steps: Steps
+    record: StepRecord
 
 
 def drive_overlapped(
@@ -71,35 +72,41 @@ def drive_overlapped(
     blocks: BlockPool | None = None,
 ) -> StepLog:
     """Serve `trace` with `policy`, one step ahead; `on_step(log)` is called as each step lands."""
-    state, pending, log = start_run(trace, policy, blocks)
+    scheduler, pending = start_run(trace, policy, blocks)
+    state, log = scheduler.state, scheduler.log
     log.overlap = True
     num_unfinished = len(state.by_id)
     in_flight, last_end = None, state.now
     while num_unfinished or in_flight:
-        launched = None
-        if num_unfinished:
-            decision, batch = next_batch(state, pending, policy, log)
-            if batch.size:
-                state.allocate(batch)
-                handle = backend.launch(state, batch, log)
-                steps = complete_step(state, batch, decision)
-                launched, num_unfinished = _InFlight(handle, steps), num_unfinished - len(steps.finished)
-            elif decision.preempt or decision.release:  # the policy may decide anew at once
-                continue
+        launched = _launch(scheduler, pending, backend) if num_unfinished else None
+        if launched:
+            num_unfinished -= len(launched.record.finished)
         if in_flight:
             last_end = state.now = _land(in_flight, backend, log, last_end)
             if on_step:
                 on_step(log)
         elif not launched:
-            state.now = idle_until(state, pending, decision, policy)
+            state.now = idle_until(scheduler, pending)
         in_flight = launched
-    end_run(state)
+    scheduler.release_finished()
     return log
+
+
+def _launch(scheduler: Scheduler, pending: Pending, backend: OverlappedBackend) -> _InFlight | None:
+    """Take in the arrivals, schedule the next step and launch it, counted done at once: who
+    emits and who finishes is known before it lands. None if nobody can run now."""
+    state = scheduler.state
+    state.waiting.extend(pending.arrived_by(state.now))
+    batch = scheduler.schedule()
+    if not batch.size:
+        return None
+    handle = backend.launch(state, batch, scheduler.log)
+    return _InFlight(handle, scheduler.postprocess(batch))
 
 
 def _land(in_flight: _InFlight, backend: OverlappedBackend, log: StepLog, last_end: float) -> float:
     """Wait for the step in flight and log it; returns when it ended."""
     seconds = backend.land(in_flight.launched, log)
-    start = max(in_flight.steps.decided_at, last_end)
-    log_steps(log, in_flight.steps, start, seconds)
+    start = max(in_flight.record.decided_at, last_end)
+    in_flight.record.log_to(log, start, seconds)
     return start + seconds

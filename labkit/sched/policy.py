@@ -2,8 +2,9 @@
 
 `policy.schedule(state) -> Decision` looks at a `SchedulerState` and says which
 finished requests leave their slots, which running requests are preempted, which
-waiting requests join, and how many tokens each scheduled request processes. The back
-end (simulator or engine) applies the decision and runs the step.
+waiting requests join, and how many tokens each scheduled request processes. The
+`Scheduler` (`labkit.sched.scheduler`) applies the decision; a back end (simulator or
+engine) runs the step.
 
 Knobs, and the vLLM setting each one plays:
 
@@ -39,10 +40,10 @@ from __future__ import annotations
 import math
 from operator import attrgetter
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from labkit.sched.state import Request, SchedulerState
+from labkit.checks import number, whole_number
+from labkit.sched.blocks import num_blocks_for
+from labkit.sched.state import Decision, Request, SchedulerState
 
 NO_SLOT = "no_slot"
 NO_BLOCKS = "no_blocks"
@@ -52,28 +53,6 @@ VICTIMS = ("newest", "longest")
 RESERVES = ("on_demand", "whole")
 HEAD_BLOCKED = (NO_SLOT, NO_BLOCKS, NO_BUDGET)  # reasons the head of the queue waits that no arrival lifts
 _ADMITTED_ORDER = attrgetter("admitted_order")
-
-
-@dataclass(frozen=True)
-class Decision:
-    """What happens before the next step.
-
-    release: ids of finished requests whose slots are freed.
-    preempt: ids of running requests sent back to the head of the queue, their KV blocks
-        freed, in the order they will wait there.
-    admit: ids of waiting requests that take free slots, in this order.
-    num_tokens: {id: tokens} each scheduled request processes this step; None means every
-        running request processes all its uncomputed tokens (a whole prefill or a decode).
-    blocked: why the head of the queue still waits ("" when nothing waits).
-    wake_at: a time at which to ask again even if nothing else changes.
-    """
-
-    release: tuple[int, ...] = ()
-    preempt: tuple[int, ...] = ()
-    admit: tuple[int, ...] = ()
-    num_tokens: dict[int, int] | None = None
-    blocked: str = ""
-    wake_at: float | None = None
 
 
 POLICY_ATTRIBUTES = (
@@ -102,14 +81,6 @@ def _short_repr(policy) -> str:
     return f"{type(policy).__name__}({', '.join(shown)})"
 
 
-def _check_whole(name: str, value, minimum: int, optional: bool = False) -> None:
-    if optional and value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        none = " or None" if optional else ""
-        raise ValueError(f"{name} = {value!r}: must be a whole number >= {minimum}{none}")
-
-
 @dataclass(frozen=True, repr=False)
 class _Policy:
     """Knobs every policy has: slots and the KV pool."""
@@ -123,15 +94,15 @@ class _Policy:
     queue_order = None  # the waiting queue's sort key, a function of a request; None: first come, first served
 
     def __post_init__(self):
-        _check_whole("num_slots", self.num_slots, 1)
-        _check_whole("num_blocks", self.num_blocks, 1, optional=True)
-        _check_whole("block_size", self.block_size, 1)
+        whole_number("num_slots", self.num_slots)
+        whole_number("num_blocks", self.num_blocks, or_none=True)
+        whole_number("block_size", self.block_size)
 
     __repr__ = _short_repr
 
     def check_fits(self, request: Request) -> None:
         """A ValueError, before any work, if `request` can never be served."""
-        need = -(-request.max_context_len // self.block_size)
+        need = num_blocks_for(request.max_context_len, self.block_size)
         if self.num_blocks is not None and need > self.num_blocks:
             raise ValueError(
                 f"request {request.id}: prompt {request.prompt_len} + output {request.output_len} tokens need "
@@ -155,7 +126,7 @@ class Continuous(_Policy):
 
     def __post_init__(self):
         super().__post_init__()
-        _check_whole("max_tokens_per_step", self.max_tokens_per_step, 1, optional=True)
+        whole_number("max_tokens_per_step", self.max_tokens_per_step, or_none=True)
         if not isinstance(self.chunked_prefill, bool):
             raise ValueError(f"chunked_prefill = {self.chunked_prefill!r}: must be True or False")
         if self.victim not in VICTIMS:
@@ -366,10 +337,7 @@ class Dynamic(Static):
 
     def __post_init__(self):
         super().__post_init__()
-        if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or not math.isfinite(
-            self.timeout
-        ) or self.timeout < 0:
-            raise ValueError(f"timeout = {self.timeout!r}: must be a finite number of seconds >= 0")
+        number("timeout", self.timeout, or_equal=True, unit="seconds")
 
     def batch_start_time(self, state: SchedulerState) -> float:
         if len(state.waiting) >= self.num_slots:

@@ -4,9 +4,10 @@ A step lasts `step_time` seconds, or, given a `CostModel`, as long as the model 
 the work in it (prompt tokens, decode tokens, KV tokens read, rows computed), on the
 device and on the host, taking turns or overlapped; the log then splits each step into
 the model's host and device seconds. The simulator computes
-nothing per step: `drive` (labkit.sched.driver) runs each decision until the next event
-in one go, asking the back end how many steps pass before a moment. Scheduling rules and
-invariants are the driver's.
+nothing per step: the fast-forward (`labkit.sched.fastforward`) runs each decision until
+the next event in one go, asking the back end how many steps pass before a moment.
+Scheduling rules and invariants are the scheduler's and the driver's
+(`labkit.sched.scheduler`, `labkit.sched.driver`).
 
 A run makes no reference cycles (reference counting frees all it drops), so `simulate`
 pauses the cyclic garbage collector while it runs, unless `on_step` runs user code between
@@ -25,6 +26,7 @@ from functools import partial
 
 import numpy as np
 
+from labkit.checks import number
 from labkit.sched.cost import CostModel
 from labkit.sched.driver import drive
 from labkit.sched.fastforward import fast_forward as fast_forward_run
@@ -100,8 +102,7 @@ def simulate(
     fast_forward: run each decision until the next event at once (`labkit.sched.fastforward`);
     False, or an `on_step`, asks the policy before every step instead. The log is the same.
     """
-    if isinstance(step_time, bool) or not isinstance(step_time, (int, float)) or not step_time > 0:
-        raise ValueError(f"step_time = {step_time!r}: must be a number of seconds > 0")
+    number("step_time", step_time, unit="seconds")
     if cost is not None and not isinstance(cost, CostModel):
         raise ValueError(f"cost = {cost!r}: must be a labkit.CostModel or None")
     if not isinstance(fast_forward, bool):

@@ -2,10 +2,10 @@
 
 `Engine.run` serves a trace known in advance; an online server learns of each request
 when a client sends it. `OnlineEngine` runs the same loop as `labkit.sched.driver.drive`,
-on the same objects (a policy, a `SchedulerState`, a `BlockPool`, the engine's
-`TorchSteps`), in a thread of its own: take in the new requests and the aborted ones, ask
-the policy, apply its decision, run one step, hand each sampled token to its request's
-client, and count the finished. Nothing about scheduling is forked: only where requests
+on the same objects (a `Scheduler` with its policy, `SchedulerState` and `BlockPool` from
+`kv_pool`, and the engine's `ModelRunner`), in a thread of its own: take in the new requests
+and the aborted ones, schedule a step, run it, hand each sampled token to its request's
+client, and count the step done. Nothing about scheduling is forked: only where requests
 come from and where tokens go differ.
 
 Invariants:
@@ -41,15 +41,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from tqdm.auto import tqdm
 
-from labkit.engine.cuda_graphs import DecodeGraphs
+from labkit.checks import whole_number
 from labkit.engine.device import torch_threads
-from labkit.engine.kv import PagedKVCache
+from labkit.engine.model_runner import greedy
 from labkit.engine.runner import Engine
-from labkit.engine.steps import TorchSteps
-from labkit.sched import BlockPool, Decision, Request, SchedulerState
+from labkit.sched import BlockPool, Decision, Request
 from labkit.sched.policy import check_policy
+from labkit.sched.scheduler import Scheduler, kv_pool
+from labkit.sched.state import Batch
 from labkit.serve.metrics import ServerMetrics
 
 IDLE_WAIT_SECONDS = 1.0  # the longest the loop sleeps when nothing can run, before it looks again
@@ -69,23 +69,6 @@ class Client:
     last_token_at: float | None = None
 
 
-class NoRecord:
-    """Takes what `TorchSteps` records about each step (phases, host and device time, lanes, KV
-    reads) and keeps none of it: a server's log would grow without end; /metrics is its record."""
-
-    def record_host_device(self, host: float, device: float) -> None:
-        pass
-
-    def record_phases(self, **seconds: float) -> None:
-        pass
-
-    def record_lane(self, lane: str, start: float, end: float) -> None:
-        pass
-
-    def record_kv_tokens(self, first: int, count: int = 1, growth: int = 0) -> None:
-        pass
-
-
 @dataclass(frozen=True)
 class EosRule:
     """When a request may end before max_tokens: on sampling one of `token_ids` (the model's EOS
@@ -95,24 +78,34 @@ class EosRule:
     min_tokens: int = 0
 
 
-class OnlineSteps(TorchSteps):
-    """The engine's steps for requests that carry their own prompt ids and EOS rules."""
+class OnlineSteps:
+    """The engine's model runner, for requests that carry their own prompt ids and EOS rules.
+    A server keeps no step log (it would grow without end): /metrics is its record."""
 
-    def __init__(self, engine: Engine, cache: PagedKVCache, graphs: DecodeGraphs | None):
-        super().__init__(engine, cache, trace=None, graphs=graphs, progress=tqdm(disable=True))
+    def __init__(self, engine: Engine, blocks: BlockPool):
         self.prompts: dict[int, list[int]] = {}  # request index -> BOS and prompt ids
         self.eos_rules: dict[int, EosRule] = {}  # request index -> its rule
+        self.runner = engine.model_runner(blocks, self.prompt, self.sample)
+
+    @property
+    def sequences(self) -> dict[int, list[int]]:
+        """Request index -> BOS, prompt and the outputs sampled so far."""
+        return self.runner.sequences
+
+    def run(self, batch: Batch) -> list[int]:
+        """One step of `batch`; each token sampled joins its request's sequence."""
+        return self.runner.run(batch)
 
     def prompt(self, index: int) -> list[int]:
         return list(self.prompts[index])  # a copy: the sequence grows, the prompt does not
 
-    def _sample(self, logits, requests: list[Request]):
+    def sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """Greedy, but a request short of its min_tokens cannot sample an EOS id."""
         for row, request in enumerate(requests):
             rule = self.eos_rules[request.index]
             if rule.token_ids and request.num_generated < rule.min_tokens:
                 logits[row, list(rule.token_ids)] = float("-inf")  # (E, vocab): a copy of the forward's logits
-        return super()._sample(logits, requests)
+        return greedy(logits, requests)
 
 
 class OnlineEngine:
@@ -125,12 +118,10 @@ class OnlineEngine:
         check_policy(policy)
         self.engine, self.policy, self.metrics, self.max_waiting = engine, policy, metrics, max_waiting
         self.eos_token_ids = tuple(eos_token_ids)
-        max_blocks = -(-engine.config.max_seq_len // policy.block_size)
-        self.blocks = BlockPool(policy.num_blocks or policy.num_slots * max_blocks, policy.block_size)
-        cache = PagedKVCache(engine.config, self.blocks.num_blocks, policy.block_size, engine.device, engine.dtype)
-        graphs = DecodeGraphs(engine.model, cache) if engine.cuda_graphs else None
-        self.steps = OnlineSteps(engine, cache, graphs)
-        self.state = SchedulerState(policy.num_slots, [], self.blocks, getattr(policy, "queue_order", None))
+        self.blocks = kv_pool(policy, engine.config.max_seq_len)
+        self.steps = OnlineSteps(engine, self.blocks)
+        self.scheduler = Scheduler(policy, blocks=self.blocks)
+        self.state = self.scheduler.state
         self.start = time.perf_counter()
         self.step_sizes: list[int] = []  # requests scheduled in each step, for the record
         self._clients: dict[int, Client] = {}
@@ -214,8 +205,7 @@ class OnlineEngine:
 
     def _check(self, prompt_ids: list[int], max_tokens: int, priority: int) -> None:
         vocab_size, max_seq_len = self.engine.config.vocab_size, self.engine.config.max_seq_len
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise ValueError(f"max_tokens = {max_tokens!r}: must be a whole number >= 1")
+        whole_number("max_tokens", max_tokens)
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority = {priority!r}: must be a whole number (lower is served first)")
         if len(prompt_ids) + max_tokens > max_seq_len:  # first: a huge prompt is refused before its ids are read
@@ -240,11 +230,11 @@ class OnlineEngine:
         try:
             with torch.inference_mode(), torch_threads(self.engine.threads):
                 while self._take_in():
-                    decision, batch = self._decide()
+                    batch = self._decide()
                     if batch.size:
                         self._step(batch)
                     else:
-                        self._idle(decision)
+                        self._idle(self.scheduler.decision)
                 self._abort_everyone()
         except Exception as problem:
             self._fail(problem)
@@ -271,25 +261,24 @@ class OnlineEngine:
             self._abort(request_id)
         return not stopping
 
-    def _decide(self):
+    def _decide(self) -> Batch:
+        """Schedule the next step at the wall clock's time; forget the requests its decisions
+        released (finished, and out of their slots: nothing more to keep)."""
         self.state.now = self.now()
-        decision = self.policy.schedule(self.state)
-        if decision.preempt and self.metrics:
-            self.metrics.preemptions.inc(len(decision.preempt))
-        for request in self.state.apply(decision):
-            if self.policy.reserves_whole_length:
-                self.state.reserve(request)
-        for index in decision.release:  # finished, and out of their slots: nothing more to keep
-            del self.state.by_id[index]
-            self._drop_tokens(index)
-        return decision, self.state.batch(decision, self.policy.pads_finished)
+        batch = self.scheduler.schedule()
+        for decision in self.scheduler.decisions:
+            if decision.preempt and self.metrics:
+                self.metrics.preemptions.inc(len(decision.preempt))
+            for index in decision.release:
+                del self.state.by_id[index]
+                self._drop_tokens(index)
+        return batch
 
-    def _step(self, batch) -> None:
-        self.state.allocate(batch)
-        self.steps.execute(self.state, batch, NoRecord())
+    def _step(self, batch: Batch) -> None:
+        self.steps.run(batch)
         self.step_sizes.append(batch.size)
         sampled = {request.index: self._send_new_tokens(request.index) for request, _ in batch.rows}
-        finished = self.state.complete(batch)
+        finished = self.scheduler.postprocess(batch).finished
         for index in finished:
             self._clients.pop(index).on_finish("length")
         for index, tokens in sampled.items():
@@ -335,8 +324,6 @@ class OnlineEngine:
     def _idle(self, decision: Decision) -> None:
         """Nothing runs: wait for a request, an abort, the policy's wake-up time or a stop."""
         self._publish_state()
-        if decision.preempt or decision.release:  # the policy may decide anew at once
-            return
         timeout = IDLE_WAIT_SECONDS if decision.wake_at is None else max(0.0, decision.wake_at - self.now())
         with self._wake:
             if not (self._inbox or self._aborts or self._stopping):
@@ -354,5 +341,5 @@ class OnlineEngine:
         self.num_aborted_at_stop = len(self._clients)
         for index in list(self._clients):
             self._abort(index)
-        self.state.apply(Decision(release=tuple(r.id for r in self.state.finished_in_slots())))
+        self.scheduler.release_finished()
         self._publish_state()
