@@ -7,7 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: lab teach test bench notebooks student present clean
+.PHONY: lab teach check test bench notebooks student present clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,10 @@ teach: $(STAMP)
 
 # Unit and property tests, the instructor copies under strict nbval, then the student copies
 # run top to bottom (their answers unsolved, so outputs are not compared).
+# Everyday work: the unit and property tests, in under a minute (no lessons, servers or browsers).
+check: $(STAMP)
+	$(PY) -m pytest tests -q -m "not integration"
+
 test: $(STAMP)
 	$(PY) -m pytest
 	$(PY) -m pytest --nbval-lax notebooks/

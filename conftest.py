@@ -1,10 +1,13 @@
-"""nbval settings.
+"""nbval settings, and which tests `make check` leaves out.
 
 - plotly's JSON output embeds its whole template, which changes across plotly releases, so
   compare the text outputs of lesson cells and skip plotly's mime types.
 - A lesson that times the engine (or a server) runs beside a busy loop on one core
   (`tests/busy.py`), so every checked cell must print the same on a loaded machine. Set
   LABKIT_IDLE_LESSONS=1 to run them on an idle machine instead, when debugging a lesson.
+- The test modules that start servers, browsers or other processes are marked
+  `integration`: `make check` runs the unit and property tests without them (and without
+  the lessons) in under a minute; `make test` runs everything.
 """
 
 import os
@@ -14,11 +17,21 @@ import pytest
 from tests.busy import start_busy_loop, times_the_engine
 
 BUSY_LOOP = pytest.StashKey()
+INTEGRATION = {  # test modules that start servers, browsers or other processes
+    "test_browser.py", "test_busy_core.py", "test_bench_peers.py", "test_html_export.py", "test_make_student.py",
+    "test_replay_transformers_serve.py", "test_serve.py", "test_serve_checkpoint.py", "test_serve_hardening.py",
+}
 
 
 def pytest_collectstart(collector):
     if collector.fspath and collector.fspath.ext == ".ipynb":
         collector.skip_compare += ("application/vnd.plotly.v1+json", "text/html")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in INTEGRATION:
+            item.add_marker(pytest.mark.integration)
 
 
 def pytest_runtest_setup(item):

@@ -16,24 +16,22 @@ from __future__ import annotations
 
 import argparse
 import csv
-import math
 import sys
 from pathlib import Path
 
 import numpy as np
 
 import labkit as lk
+from labkit.analysis import metrics
+from labkit.args import (MEAN_OUTPUT, MEAN_PROMPT, positive_number, recorded_trace, sampled_trace, trace_error,
+                         whole_number)
 from labkit.engine import Engine, ModelConfig
 from labkit.engine.attention import ATTENTION_LAYOUTS
 from labkit.engine.device import default_threads
 from labkit.engine.runner import DTYPES
-from labkit.sched import metrics
 from labkit.serve.replay_cli import add_replay_parser, replay_command
 from labkit.serve.server import add_serve_parser
 
-BUILTIN_TRACES = ("toy", "exponential", "azure-conv")
-MEAN_OUTPUT = 32
-MEAN_PROMPT = 16
 WARM_UP = lk.Trace.from_lengths([2])
 COLUMNS = [
     "policy", "steps", "util (%)", "device idle (%)", "tokens/s", "TTFT p50 (ms)", "TTFT p99 (ms)",
@@ -69,9 +67,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         "print steps, slot utilization, measured tokens/s, TTFT and ITL percentiles, and the gain the "
         "simulator predicts beside the gain the engine measures.",
     )
-    demo_parser.add_argument("--slots", type=_whole_number(1), default=8, help="batch slots per policy (default 8)")
+    demo_parser.add_argument("--slots", type=whole_number(1), default=8, help="batch slots per policy (default 8)")
     demo_parser.add_argument(
-        "--requests", type=_whole_number(1), default=32,
+        "--requests", type=whole_number(1), default=32,
         help="requests to serve (default 32); the toy trace always has its 8",
     )
     demo_parser.add_argument(
@@ -83,7 +81,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         "own arrival times",
     )
     demo_parser.add_argument(
-        "--rate", type=_positive_number, default=None,
+        "--rate", type=positive_number, default=None,
         help="Poisson arrivals at this many requests/s, for --trace exponential only "
         "(default: every request waits at t=0)",
     )
@@ -96,7 +94,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         help="batched (default): one attention pass per layer over every request; per_request: Orca's loop",
     )
     demo_parser.add_argument(
-        "--threads", type=_whole_number(1), default=None,
+        "--threads", type=whole_number(1), default=None,
         help=f"torch CPU threads while the engine works (default: every CPU but one, here {default_threads()})",
     )
     demo_parser.add_argument(
@@ -109,7 +107,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         "--overlap", action="store_true", help="schedule and prepare each step while the previous one runs"
     )
     demo_parser.add_argument(
-        "--seed", type=_whole_number(0), default=0, help="seed for the sampled trace and the model (default 0)"
+        "--seed", type=whole_number(0), default=0, help="seed for the sampled trace and the model (default 0)"
     )
     demo_parser.add_argument("--no-progress", action="store_true", help="hide the engine's progress bars")
     export_parser = commands.add_parser(
@@ -118,7 +116,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     )
     export_parser.add_argument("notebook", help="the lesson, e.g. notebooks/01_static_vs_continuous.ipynb")
     export_parser.add_argument("output", help="the HTML file to write")
-    serve_parser = add_serve_parser(commands, _whole_number, _number)
+    serve_parser = add_serve_parser(commands)
     replay_parser = add_replay_parser(commands)
     return parser, {"demo": demo_parser, "serve": serve_parser, "replay": replay_parser}
 
@@ -162,7 +160,7 @@ def prepare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[
     try:
         trace, description = load_trace(args, engine)
     except (OSError, ValueError, csv.Error) as error:
-        parser.error(f"argument --trace: {_trace_error(args.trace, error)}")
+        parser.error(f"argument --trace: {trace_error(args.trace, error)}")
     return engine, trace, description
 
 
@@ -180,19 +178,9 @@ def print_header(engine: Engine, trace: lk.Trace, description: str) -> None:
 
 def load_trace(args: argparse.Namespace, engine: Engine) -> tuple[lk.Trace, str]:
     """The trace `--trace` names, and one line saying where it came from."""
-    if args.trace == "toy":
-        return lk.Trace.toy(), "toy: requests A-H, all waiting at t=0, no prompt"
-    if args.trace == "exponential":
-        trace = lk.Trace.sample(
-            args.requests, output="exponential", mean_output=MEAN_OUTPUT,
-            prompt="uniform", mean_prompt=MEAN_PROMPT, rate=args.rate, seed=args.seed,
-        )
-        arrivals = "all waiting at t=0" if args.rate is None else f"Poisson arrivals at {args.rate:g} requests/s"
-        return trace, (
-            f"exponential outputs (mean {MEAN_OUTPUT}), uniform prompts (mean {MEAN_PROMPT}), "
-            f"{arrivals}, seed {args.seed}"
-        )
-    source = lk.Trace.azure_conv() if args.trace == "azure-conv" else lk.Trace.from_csv(args.trace)
+    if args.trace in ("toy", "exponential"):
+        return sampled_trace(args.trace, args.requests, args.rate, args.seed)
+    source = recorded_trace(args.trace)
     trace, num_skipped = first_that_fit(source, args.requests, engine)
     max_seq_len = engine.config.max_seq_len
     return trace, (
@@ -238,45 +226,3 @@ def report_rows(logs: dict[str, lk.StepLog], predicted: float) -> list[list[str]
             *(f"{ms:,.1f}" for ms in (*ttft, *itl)), *(f"{gain:.2f}x" for gain in gains),
         ])
     return rows
-
-
-def _whole_number(minimum: int):
-    """An argparse type: a whole number >= `minimum`, with an error message that says so."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = None
-        if value is None or value < minimum:
-            raise argparse.ArgumentTypeError(f"{text!r}: must be a whole number >= {minimum}")
-        return value
-
-    return parse
-
-
-def _number(minimum: float, or_equal: bool = False):
-    """An argparse type: a finite number > `minimum` (>= with `or_equal`), with an error message that says so."""
-    bound = f"{'>=' if or_equal else '>'} {minimum:g}"
-
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            value = math.nan
-        if not math.isfinite(value) or value < minimum or (value == minimum and not or_equal):
-            raise argparse.ArgumentTypeError(f"{text!r}: must be a number {bound}")
-        return value
-
-    return parse
-
-
-_positive_number = _number(0)
-
-
-def _trace_error(trace: str, error: Exception) -> str:
-    """One line naming the trace file and what is wrong with it."""
-    if isinstance(error, FileNotFoundError):
-        return f"{trace}: no such file (choose {', '.join(BUILTIN_TRACES)} or a path to a CSV file)"
-    reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
-    return reason if reason.startswith(trace) else f"{trace}: {reason}"

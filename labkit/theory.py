@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from labkit.checks import whole_number
+
 
 def harmonic(n):
     """H_n = 1 + 1/2 + ... + 1/n, for a whole number n >= 1 or an array of them."""
@@ -86,8 +88,7 @@ class MonteCarlo:
 def monte_carlo(lengths, batch_size: int, num_batches: int = 10_000, seed: int = 0) -> MonteCarlo:
     """Draw `num_batches` batches from `lengths` ("exponential" for the continuous law)."""
     _check_batch_size(batch_size)
-    if not isinstance(num_batches, (int, np.integer)) or num_batches < 1:
-        raise ValueError(f"num_batches = {num_batches!r}: must be a whole number >= 1")
+    whole_number("num_batches", num_batches)
     rng = np.random.default_rng(seed)
     shape = (num_batches, batch_size)
     if isinstance(lengths, str) and lengths == "exponential":
@@ -111,5 +112,4 @@ def _lengths(lengths) -> np.ndarray:
 
 
 def _check_batch_size(batch_size) -> None:
-    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
-        raise ValueError(f"batch_size = {batch_size!r}: must be a whole number >= 1")
+    whole_number("batch_size", batch_size)

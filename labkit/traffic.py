@@ -24,6 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
+from labkit.checks import number, whole_number
+
 OUTPUT_DISTRIBUTIONS = ("exponential", "uniform", "equal", "lognormal")
 PROMPT_DISTRIBUTIONS = ("uniform", "equal", "none")
 CSV_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
@@ -166,8 +168,7 @@ class Trace:
         rate: requests per second, with gamma inter-arrival times of shape `burstiness`
             (1 is Poisson, below 1 is burstier); None puts every arrival at t=0.
         """
-        if not isinstance(num_requests, (int, np.integer)) or num_requests < 1:
-            raise ValueError(f"num_requests = {num_requests!r}: must be a whole number >= 1")
+        whole_number("num_requests", num_requests)
         rng = np.random.default_rng(seed)
         return cls.from_lengths(
             _draw_capped_outputs(rng, num_requests, output, mean_output, sigma, max_output),
@@ -259,8 +260,7 @@ def _timestamp(text) -> np.datetime64:
 
 
 def _check_mean(name: str, mean: float, minimum: float) -> None:
-    if not np.isfinite(mean) or mean < minimum:
-        raise ValueError(f"{name} = {mean!r}: must be a finite number >= {minimum}")
+    number(name, mean, minimum, or_equal=True)
 
 
 MAX_REDRAWS = 1000  # rounds of redrawing too-long outputs before giving up on a cap
@@ -272,8 +272,7 @@ def _draw_capped_outputs(rng: np.random.Generator, count: int, output, mean: flo
     lengths = _draw_outputs(rng, count, output, mean, sigma)
     if max_output is None:
         return lengths
-    if isinstance(max_output, bool) or not isinstance(max_output, (int, np.integer)) or max_output < 1:
-        raise ValueError(f"max_output = {max_output!r}: must be a whole number >= 1, or None")
+    whole_number("max_output", max_output, or_none=True)
     for _ in range(MAX_REDRAWS):
         too_long = lengths > max_output
         if not too_long.any():
@@ -295,8 +294,7 @@ def _draw_outputs(rng: np.random.Generator, count: int, output, mean: float, sig
     if output == "equal":
         return np.full(count, round(mean))
     if output == "lognormal":
-        if not np.isfinite(sigma) or sigma <= 0:
-            raise ValueError(f"sigma = {sigma!r}: must be a finite number > 0")
+        number("sigma", sigma)
         draws = rng.lognormal(np.log(mean) - sigma**2 / 2, sigma, size=count)
         return np.maximum(1, np.round(draws)).astype(np.int64)
     raise ValueError(f"output = {output!r}: choose one of {OUTPUT_DISTRIBUTIONS} or pass a Trace")
@@ -318,8 +316,7 @@ def _draw_prompts(rng: np.random.Generator, count: int, prompt, mean: float) -> 
 def _draw_arrivals(rng: np.random.Generator, count: int, rate: float | None, burstiness: float) -> np.ndarray:
     if rate is None:
         return np.zeros(count)
-    if not np.isfinite(rate) or rate <= 0:
-        raise ValueError(f"rate = {rate!r}: must be a number of requests per second > 0, or None")
+    number("rate", rate, unit="requests per second", or_none=True)
     if not np.isfinite(burstiness) or burstiness <= 0:
         raise ValueError(f"burstiness = {burstiness!r}: must be a gamma shape > 0 (1 is Poisson)")
     gaps = rng.gamma(shape=burstiness, scale=1 / (rate * burstiness), size=count - 1)

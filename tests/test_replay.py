@@ -30,7 +30,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 import labkit as lk
-from labkit.sched import metrics
+from labkit.analysis import metrics
 from labkit.serve.replay import (NOTE_WIDTH, PromptTexts, ScrapedSeries, byte_text, parse_metrics, plain_pieces,
                                  prompt_ids, refusals, replay, text_of_length)
 from labkit.serve.replay_cli import add_replay_parser, replay_command

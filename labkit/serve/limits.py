@@ -11,8 +11,9 @@ Invariant: a `Limits` holds only values the server can honour: whole numbers >= 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields
+
+from labkit.checks import number, whole_number
 
 MIB = 2**20
 
@@ -31,8 +32,7 @@ class Limits:
             raise ValueError(f"api_key = {self.api_key!r}: must be a non-empty string, or None for no key")
         for field in fields(self):
             value = getattr(self, field.name)
-            if field.type == "int" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"{field.name} = {value!r}: must be a whole number >= 1")
-            if field.type == "float" and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                          or not math.isfinite(value) or value <= 0):
-                raise ValueError(f"{field.name} = {value!r}: must be a number of seconds > 0")
+            if field.type == "int":
+                whole_number(field.name, value)
+            if field.type == "float":
+                number(field.name, value, unit="seconds")

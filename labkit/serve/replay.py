@@ -53,7 +53,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import math
 import os
 import sys
 import textwrap
@@ -66,6 +65,7 @@ import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 from tqdm.auto import tqdm
 
+from labkit.checks import number, whole_number
 from labkit.sched.steplog import RequestTimes
 from labkit.serve.tokenizer import decode as byte_decode
 from labkit.serve.tokenizer import encode as byte_encode
@@ -339,18 +339,11 @@ def _check_arguments(trace, model, url, max_concurrency, requests, seed, vocab_s
     if not isinstance(url, str) or not url.startswith(("http://", "https://")):
         raise ValueError(f"url = {url!r}: must start with http:// or https://")
     for name, value in positive.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-            raise ValueError(f"{name} = {value!r}: must be a number > 0")
-    for name, value in (("max_concurrency", max_concurrency), ("requests", requests)):
-        if value is not None:
-            _check_whole_number(name, value, 1, hint=", or None")
-    _check_whole_number("seed", seed, 0)
-    _check_whole_number("vocab_size", vocab_size, 2)
-
-
-def _check_whole_number(name: str, value, minimum: int, hint: str = "") -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"{name} = {value!r}: must be a whole number >= {minimum}{hint}")
+        number(name, value)
+    whole_number("max_concurrency", max_concurrency, or_none=True)
+    whole_number("requests", requests, or_none=True)
+    whole_number("seed", seed, 0)
+    whole_number("vocab_size", vocab_size, 2)
 
 
 class _Failed(Exception):

@@ -4,15 +4,15 @@ its arrival times and print what was measured, as `lk.metrics.table` does, and w
 Invariants:
 
 - TRACE and its options (`--requests`, `--rate`, `--seed`) mean what they mean for `labkit demo`,
-  through `labkit.cli`'s own functions; azure-conv and CSV traces are cut to their first
+  through the same `labkit.args`; azure-conv and CSV traces are cut to their first
   REQUESTS requests (a remote server's length limit is its own to enforce);
 - a bad option ends in one `labkit replay: error: ...` line and exit code 2, never a
   traceback; a replay that ran prints its summary, the fallbacks it took (what the server
   refused, see `labkit.serve.replay`) and every failed request, then exits 0 when every request
   finished and 1 when any failed (an unreachable server fails them all);
 - importing this module loads no more than `labkit` itself does, so `labkit demo` runs without
-  the `serve` extra: the client (httpx) is imported when the command runs, and `labkit.cli`
-  when the command is built or run (it imports this module to add the command).
+  the `serve` extra: the client (httpx) is imported when the command runs. It never imports
+  `labkit.cli`, which imports it to add the command.
 """
 
 from __future__ import annotations
@@ -24,7 +24,9 @@ import os
 import numpy as np
 
 import labkit as lk
-from labkit.sched import metrics
+from labkit.analysis import metrics
+from labkit.args import (BUILTIN_TRACES, positive_number, recorded_trace, sampled_trace, trace_error,
+                         whole_number)
 from labkit.serve.server import add_policy_knobs, policy_from
 
 DEFAULT_URL = "http://127.0.0.1:8000"  # where `labkit serve` listens by default
@@ -33,8 +35,6 @@ MAX_FAILURES_SHOWN = 10
 
 def add_replay_parser(commands) -> argparse.ArgumentParser:
     """Add the `replay` subcommand to an argparse subparsers object; returns its parser."""
-    from labkit import cli
-
     parser = commands.add_parser(
         "replay",
         help="send a trace to an OpenAI-compatible server (labkit serve, vLLM, transformers serve) and measure it",
@@ -46,29 +46,29 @@ def add_replay_parser(commands) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "trace", metavar="TRACE",
-        help=f"{', '.join(cli.BUILTIN_TRACES)} or PATH.csv[.gz], as for `labkit demo`; azure-conv and CSV "
+        help=f"{', '.join(BUILTIN_TRACES)} or PATH.csv[.gz], as for `labkit demo`; azure-conv and CSV "
         "traces send their first REQUESTS requests",
     )
     parser.add_argument("--url", default=DEFAULT_URL, help=f"the server's base URL (default {DEFAULT_URL})")
     parser.add_argument("--model", required=True, help="the served model's name, as GET /v1/models lists it")
     parser.add_argument(
-        "--rate-scale", type=cli._positive_number, default=1.0,
+        "--rate-scale", type=positive_number, default=1.0,
         help="send this many times faster than the trace's arrivals (default 1)",
     )
     parser.add_argument(
-        "--max-concurrency", type=cli._whole_number(1), default=None,
+        "--max-concurrency", type=whole_number(1), default=None,
         help="at most this many requests in flight (default: no limit)",
     )
     parser.add_argument(
-        "--requests", type=cli._whole_number(1), default=32,
+        "--requests", type=whole_number(1), default=32,
         help="requests to send (default 32); the toy trace always has its 8",
     )
     parser.add_argument(
-        "--rate", type=cli._positive_number, default=None,
+        "--rate", type=positive_number, default=None,
         help="Poisson arrivals at this many requests/s, for TRACE exponential only (default: all at t=0)",
     )
     parser.add_argument(
-        "--seed", type=cli._whole_number(0), default=0,
+        "--seed", type=whole_number(0), default=0,
         help="seed for the sampled trace and for prompt ids, as the engine draws them (default 0)",
     )
     parser.add_argument(
@@ -86,7 +86,7 @@ def add_replay_parser(commands) -> argparse.ArgumentParser:
     prediction = parser.add_argument_group(
         "prediction beside measurement", "with --slots, also simulate the replayed trace under the policy these "
         "knobs describe (the server's, if you know them), timed by a CostModel fitted to TinyGPT on this machine")
-    add_policy_knobs(prediction, cli._whole_number, cli._number, slots=None)
+    add_policy_knobs(prediction, slots=None)
     return parser
 
 
@@ -130,17 +130,15 @@ def predicted_beside(trace: lk.Trace, args: argparse.Namespace, parser: argparse
 
 def load_replay_trace(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[lk.Trace, str]:
     """The trace TRACE names and one line saying where it came from; a bad one ends in `parser.error`."""
-    from labkit import cli
-
     if args.rate is not None and args.trace != "exponential":
         parser.error("argument --rate: only TRACE exponential samples arrivals; "
                      "toy, azure-conv and CSV traces keep their own")
     try:
         if args.trace in ("toy", "exponential"):
-            return cli.load_trace(args, engine=None)  # neither needs an engine to check lengths
-        source = lk.Trace.azure_conv() if args.trace == "azure-conv" else lk.Trace.from_csv(args.trace)
+            return sampled_trace(args.trace, args.requests, args.rate, args.seed)
+        source = recorded_trace(args.trace)
     except (OSError, ValueError, csv.Error) as error:
-        parser.error(f"argument TRACE: {cli._trace_error(args.trace, error)}")
+        parser.error(f"argument TRACE: {trace_error(args.trace, error)}")
     count = min(args.requests, len(source))
     return source.select(np.arange(count)), f"{args.trace}: the first {count} requests, at their own arrival times"
 

@@ -30,6 +30,7 @@ import argparse
 import os
 
 import labkit as lk
+from labkit.args import number, whole_number
 from labkit.serve.limits import Limits
 
 ITERATION_LEVEL = {"continuous": lk.Continuous, "priority": lk.Priority, "spf": lk.ShortestPredictedFirst}
@@ -93,9 +94,8 @@ def model_name_from(args: argparse.Namespace) -> str:
     return args.model_name or args.model_dir or DEFAULT_MODEL_NAME
 
 
-def add_policy_knobs(parser, whole_number, number, slots: int | None) -> None:
-    """The policy's knobs, under the names `labkit serve` gives them; `slots` is --slots' default.
-    `whole_number(minimum)` and `number(minimum, or_equal=False)` make argparse types."""
+def add_policy_knobs(parser, slots: int | None) -> None:
+    """The policy's knobs, under the names `labkit serve` gives them; `slots` is --slots' default."""
     parser.add_argument("--policy", choices=POLICIES, default="continuous", help=POLICIES_HELP)
     slots_help = f"default {slots}" if slots else "no default: without it, nothing is predicted"
     parser.add_argument("--slots", type=whole_number(1), default=slots, help=f"requests that may run at once ({slots_help})")
@@ -113,7 +113,7 @@ def add_policy_knobs(parser, whole_number, number, slots: int | None) -> None:
                         "predictor's errors (default 0)")
 
 
-def add_serve_parser(commands, whole_number, number) -> argparse.ArgumentParser:
+def add_serve_parser(commands) -> argparse.ArgumentParser:
     parser = commands.add_parser(
         "serve", help="serve TinyGPT or a local Llama model behind an OpenAI-compatible API, with continuous "
         "batching",
@@ -123,7 +123,7 @@ def add_serve_parser(commands, whole_number, number) -> argparse.ArgumentParser:
     parser.add_argument("model_dir", nargs="?", default=None, metavar="MODEL_DIR", help="a local Hugging Face "
                         "directory of a Llama-architecture model (config.json, *.safetensors, tokenizer files); "
                         "default: the seeded TinyGPT")
-    add_policy_knobs(parser, whole_number, number, slots=8)
+    add_policy_knobs(parser, slots=8)
     parser.add_argument("--device", default="auto", metavar="{auto,cpu,cuda,mps}", help="where the model runs")
     parser.add_argument("--threads", type=whole_number(1), default=None, help="torch CPU threads")
     parser.add_argument("--seed", type=whole_number(0), default=0, help="seed of TinyGPT's weights (default 0)")
@@ -133,11 +133,11 @@ def add_serve_parser(commands, whole_number, number) -> argparse.ArgumentParser:
                         "(prompt + output) served, as vLLM's --max-model-len (default: the model's)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=whole_number(1), default=8000, help="port to listen on (default 8000)")
-    add_limit_flags(parser, whole_number, number)
+    add_limit_flags(parser)
     return parser
 
 
-def add_limit_flags(parser, whole_number, number) -> None:
+def add_limit_flags(parser) -> None:
     """The flags of `Limits`: an API key, and limits on the queue, the body, connections and slowness."""
     default = Limits()
     parser.add_argument("--api-key", default=os.environ.get("LABKIT_API_KEY"), metavar="KEY", help="require the "
