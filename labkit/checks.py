@@ -1,9 +1,10 @@
-"""Argument checks for every layer: a value's type and bound, with an error that names the
+"""Argument checks for every layer: a value's type (and bound), with an error that names the
 argument and the value, so that a bad knob anywhere reads the same way.
 
-Invariants: a check returns the value it accepts, as a Python int or float (None where
+Invariants: a check returns the value it accepts, as a Python bool, int or float (None where
 `or_none` lets it through), and raises a ValueError "NAME = VALUE: must be ..." for
-anything else; a bool is never a number; NaN and infinities are never numbers.
+anything else; a bool is never a number, and a number is never a flag; NaN and infinities
+are never numbers.
 
 Imports the standard library only, so any module may use it.
 """
@@ -12,6 +13,13 @@ from __future__ import annotations
 
 import math
 from numbers import Integral, Real
+
+
+def flag(name: str, value) -> bool:
+    """`value` if it is True or False (not 0, 1 or "yes")."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} = {value!r}: must be True or False")
+    return value
 
 
 def whole_number(name: str, value, minimum: int = 1, *, or_none: bool = False) -> int | None:

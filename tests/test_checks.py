@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from labkit.checks import number, whole_number
+from labkit.checks import flag, number, whole_number
 
 
 @pytest.mark.parametrize("value, minimum, expected", [(1, 1, 1), (np.int64(7), 0, 7), (0, 0, 0)])
@@ -59,3 +59,15 @@ def test_a_number_passes_exactly_when_it_meets_its_bound(value, minimum, or_equa
         assert number("x", value, minimum, or_equal=or_equal) == value and meets
     except ValueError:
         assert not meets
+
+
+@pytest.mark.parametrize("value", [True, False])
+def test_a_flag_is_true_or_false(value):
+    assert flag("f", value) is value
+
+
+@pytest.mark.parametrize("value", [0, 1, "yes", None])
+def test_a_flag_is_never_a_number_a_word_or_none(value):
+    with pytest.raises(ValueError) as error:
+        flag("f", value)
+    assert str(error.value) == f"f = {value!r}: must be True or False"

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from labkit.checks import number, whole_number
+from labkit.checks import flag, number, whole_number
 from labkit.engine.attention import ATTENTION_LAYOUTS
 from labkit.engine.rope import LLAMA3_FIELDS, ROPE_SCALING_TYPES, RopeScaling
 
@@ -81,8 +81,7 @@ class ModelConfig:
         if self.head_dim % 2:
             field = "d_model" if self.explicit_head_dim is None else "explicit_head_dim"
             raise ValueError(f"{field} = {getattr(self, field)}: the head size must be even for rotary positions")
-        if not isinstance(self.tie_embeddings, bool):
-            raise ValueError(f"tie_embeddings = {self.tie_embeddings!r}: must be True or False")
+        flag("tie_embeddings", self.tie_embeddings)
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
             raise ValueError(f"rope_scaling = {self.rope_scaling!r}: must be None or a RopeScaling")
         bos = self.bos_token_id

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from labkit.checks import whole_number
+from labkit.checks import flag, whole_number
 from labkit.engine.config import ModelConfig
 from labkit.engine.cuda_graphs import DecodeGraphs
 from labkit.engine.device import default_threads, resolve_device, torch_threads
@@ -70,8 +70,7 @@ def _check_knobs(threads, dtype, overlap, extra_host_seconds) -> None:
     whole_number("threads", threads, or_none=True)
     if dtype not in DTYPES:
         raise ValueError(f"dtype = {dtype!r}: must be one of {', '.join(DTYPES)}")
-    if not isinstance(overlap, bool):
-        raise ValueError(f"overlap = {overlap!r}: must be True or False")
+    flag("overlap", overlap)
     if isinstance(extra_host_seconds, bool) or not isinstance(extra_host_seconds, (int, float)) or not (
             0 <= extra_host_seconds < 1):
         raise ValueError(f"extra_host_seconds = {extra_host_seconds!r}: must be a number of seconds in [0, 1)")

@@ -30,7 +30,7 @@ from functools import cached_property
 
 import numpy as np
 
-from labkit.checks import number
+from labkit.checks import flag, number
 
 DEVICE_TERMS = ("overhead", "per_prefill_token", "per_decode_token", "per_kv_token")
 HOST_TERMS = ("host_overhead", "host_per_request", "host_per_token")
@@ -55,8 +55,7 @@ class CostModel:
         for field in fields(self):
             value = getattr(self, field.name)
             if field.name == "overlap":
-                if not isinstance(value, bool):
-                    raise ValueError(f"overlap = {value!r}: must be True or False")
+                flag("overlap", value)
             else:
                 number(field.name, value, or_equal=True)
 

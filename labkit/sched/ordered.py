@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from labkit.checks import number, whole_number
+from labkit.checks import flag, number, whole_number
 from labkit.sched.policy import NO_BLOCKS, NO_SLOT, Continuous, StepPlan
 from labkit.sched.state import Decision, Request, SchedulerState
 
@@ -49,8 +49,7 @@ class Priority(Continuous):
 
     def __post_init__(self):
         super().__post_init__()
-        if not isinstance(self.preempt_for_waiting, bool):
-            raise ValueError(f"preempt_for_waiting = {self.preempt_for_waiting!r}: must be True or False")
+        flag("preempt_for_waiting", self.preempt_for_waiting)
 
     @property
     def may_preempt(self) -> bool:

@@ -41,7 +41,7 @@ import math
 from operator import attrgetter
 from dataclasses import dataclass, field, fields
 
-from labkit.checks import number, whole_number
+from labkit.checks import flag, number, whole_number
 from labkit.sched.blocks import num_blocks_for
 from labkit.sched.state import Decision, Request, SchedulerState
 
@@ -127,8 +127,7 @@ class Continuous(_Policy):
     def __post_init__(self):
         super().__post_init__()
         whole_number("max_tokens_per_step", self.max_tokens_per_step, or_none=True)
-        if not isinstance(self.chunked_prefill, bool):
-            raise ValueError(f"chunked_prefill = {self.chunked_prefill!r}: must be True or False")
+        flag("chunked_prefill", self.chunked_prefill)
         if self.victim not in VICTIMS:
             raise ValueError(f"victim = {self.victim!r}: choose one of {VICTIMS}")
         if self.reserve not in RESERVES:
@@ -282,8 +281,7 @@ class Static(_Policy):
 
     def __post_init__(self):
         super().__post_init__()
-        if not isinstance(self.drop_finished, bool):
-            raise ValueError(f"drop_finished = {self.drop_finished!r}: must be True or False")
+        flag("drop_finished", self.drop_finished)
 
     @property
     def pads_finished(self) -> bool:

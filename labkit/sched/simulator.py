@@ -26,7 +26,7 @@ from functools import partial
 
 import numpy as np
 
-from labkit.checks import number
+from labkit.checks import flag, number
 from labkit.sched.cost import CostModel
 from labkit.sched.driver import drive
 from labkit.sched.fastforward import fast_forward as fast_forward_run
@@ -105,8 +105,7 @@ def simulate(
     number("step_time", step_time, unit="seconds")
     if cost is not None and not isinstance(cost, CostModel):
         raise ValueError(f"cost = {cost!r}: must be a labkit.CostModel or None")
-    if not isinstance(fast_forward, bool):
-        raise ValueError(f"fast_forward = {fast_forward!r}: must be True or False")
+    flag("fast_forward", fast_forward)
     backend = FixedStepTime(step_time) if cost is None else ModeledStepTime(cost)
     with nullcontext() if on_step else _cyclic_gc_paused():
         if fast_forward and not on_step:
