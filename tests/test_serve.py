@@ -21,7 +21,7 @@ from labkit.engine import Engine, ModelConfig
 from labkit.serve import tokenizer
 from labkit.serve.guards import make_server
 from labkit.serve.limits import Limits
-from labkit.serve.processes import free_port
+from labkit.serve.processes import answers_health, free_port
 from labkit.serve.server import build_server
 
 TINY = ModelConfig(vocab_size=300, d_model=32, n_layers=2, n_heads=2, d_ff=64, max_seq_len=128)
@@ -266,7 +266,7 @@ def test_a_server_killed_mid_replay_leaves_failures_not_a_hang(tmp_path):
                                "--device", "cpu", "--threads", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
-        assert wait_until(lambda: _healthy(url), 60), "labkit serve did not start"
+        assert wait_until(lambda: answers_health(url), 60), "labkit serve did not start"
         trace = lk.Trace.from_lengths([1500] * 6, prompt_lengths=[8] * 6)  # seconds each: all cut short
         killer = threading.Timer(1.5, server.kill)
         killer.start()
@@ -278,13 +278,6 @@ def test_a_server_killed_mid_replay_leaves_failures_not_a_hang(tmp_path):
     finally:
         server.kill()
         server.wait(timeout=10)
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=1).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def test_the_replay_command_prints_prediction_beside_measurement(capsys):
@@ -313,7 +306,7 @@ def test_sigterm_stops_labkit_serve_cleanly():
                                "--threads", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        assert wait_until(lambda: _healthy(url), 60), "labkit serve did not start"
+        assert wait_until(lambda: answers_health(url), 60), "labkit serve did not start"
         received = []
         client = threading.Thread(target=lambda: received.append(_count_streamed(url, 1500)))
         client.start()

@@ -23,7 +23,7 @@ from labkit.cli import build_parser
 from labkit.engine.config import ModelConfig
 from labkit.engine.peers import save_llama_dir
 from labkit.serve.server import build_server, engine_from, model_name_from, policy_from
-from labkit.serve.processes import free_port, start_labkit_serve
+from labkit.serve.processes import answers_health, free_port, start_labkit_serve
 from labkit.serve.tokenizer import ModelTokenizer, TextStream
 
 from hf_servers import transformers_serve
@@ -52,12 +52,6 @@ def labkit_serve(directory):
     with start_labkit_serve(str(directory), "--device", "cpu", "--threads", "1", "--slots", "4",
                             model=str(directory)) as server:
         yield server.wait_until_healthy().url
-
-
-def answers_health(url: str) -> bool:
-    with contextlib.suppress(httpx.HTTPError):
-        return httpx.get(f"{url}/health", timeout=1).status_code == 200
-    return False
 
 
 async def complete_all(url: str, bodies: list[dict]) -> list[dict]:

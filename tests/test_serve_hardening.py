@@ -25,6 +25,7 @@ import pytest
 import labkit as lk
 from labkit.serve.guards import QuietRepeats
 from labkit.serve.limits import Limits
+from labkit.serve.processes import answers_health
 from tests.test_serve import (MODEL, Served, StepGate, free_port, reference_tokens, scrape, serve_args,
                               wait_until)
 
@@ -464,13 +465,6 @@ def test_three_hundred_streams_with_thirty_leaving_end_with_empty_gauges_and_eve
 # `labkit serve` in its own process: an open-file limit, and signals
 
 
-def healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=1).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
 @pytest.fixture(scope="module")
 def serve_process(tmp_path_factory):
     """`labkit serve` under an open-file limit of 256 (so at most 256 - 64 = 192 connections), with a
@@ -482,7 +476,7 @@ def serve_process(tmp_path_factory):
                                     "--read-timeout", "1"], stdout=log, stderr=log)
     url = f"http://127.0.0.1:{port}"
     try:
-        assert wait_until(lambda: healthy(url), 60), "labkit serve did not start"
+        assert wait_until(lambda: answers_health(url), 60), "labkit serve did not start"
         yield process, url, log_path
     finally:
         process.kill()
@@ -501,7 +495,7 @@ def test_a_flood_of_half_open_sockets_neither_locks_the_server_out_nor_fills_its
                 connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # and never the rest
             except OSError:
                 pass  # refused already
-        assert wait_until(lambda: healthy(url), 15)  # answered while the flood's sockets are still open
+        assert wait_until(lambda: answers_health(url), 15)  # answered while the flood's sockets are still open
     finally:
         for connection in flood:
             connection.close()

@@ -48,6 +48,13 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def answers_health(url: str) -> bool:
+    """Whether the server at `url` answers GET /health with 200 now (False if it cannot be reached)."""
+    with contextlib.suppress(httpx.HTTPError):
+        return httpx.get(f"{url}/health", timeout=1).status_code == 200
+    return False
+
+
 class ServerProcess:
     """A server running `command` in a subprocess, listening on `port`: its `name` for messages,
     its base `url`, the `model` name requests send, and the process, whose stderr is kept in a
@@ -73,9 +80,8 @@ class ServerProcess:
         """Return once GET /health answers 200; a server that exits or stays silent fails."""
         deadline = time.monotonic() + timeout
         while self.process.poll() is None and time.monotonic() < deadline:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return self
+            if answers_health(self.url):
+                return self
             time.sleep(0.1)
         why = (f"exited with code {self.process.returncode}" if self.process.poll() is not None
                else f"no answer after {timeout:g} s")
