@@ -9,7 +9,7 @@ Importing labkit loads numpy only; `labkit.viz` loads plotly and ipywidgets, and
 import importlib
 
 from labkit import theory
-from labkit.analysis import CostModel, hardware, metrics, multiplier
+from labkit.analysis import CostModel, by_price, capacity, hardware, metrics, multiplier, two_prices
 from labkit.sched import (Continuous, Decision, Dynamic, Priority, SchedulerState, ShortestPredictedFirst, Static,
                           StepLog, simulate)
 from labkit.traffic import Trace
@@ -25,12 +25,15 @@ __all__ = [
     "Static",
     "StepLog",
     "Trace",
+    "by_price",
+    "capacity",
     "hardware",
     "metrics",
     "multiplier",
     "replay",
     "simulate",
     "theory",
+    "two_prices",
     "viz",
 ]
 

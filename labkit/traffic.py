@@ -233,6 +233,17 @@ class Trace:
         """The same requests, all waiting at t=0."""
         return replace(self, arrivals=np.zeros(len(self)))
 
+    def at_rate(self, rate: float) -> Trace:
+        """The same requests in the same order and bursts, the clock stretched so that they
+        arrive at `rate` requests per second: (n − 1) / (last arrival − first) = rate."""
+        number("rate", rate, unit="requests per second")
+        span = self.arrivals.max() - self.arrivals.min()
+        if len(self) < 2 or span == 0:
+            raise ValueError(f"at_rate({rate:g}): the {len(self)} requests all arrive at {self.arrivals.min():g} s, "
+                             "so there is no rate to stretch; sample the trace with rate= first")
+        first = self.arrivals.min()
+        return replace(self, arrivals=first + (self.arrivals - first) * ((len(self) - 1) / span / rate))
+
     def with_priorities(self, priorities) -> Trace:
         """The same requests with these priorities, one whole number each (lower is served first)."""
         return replace(self, priorities=priorities)

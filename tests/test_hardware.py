@@ -7,7 +7,8 @@ from dataclasses import fields
 import pytest
 
 import labkit as lk
-from labkit.analysis.hardware import A100_40GB, GPT3_175B, OPT_13B, GPU, Model, kv_pool_tokens, roofline_cost
+from labkit.analysis.hardware import (A100_40GB, GPT3_175B, H200, LLAMA_3_1_8B, OPT_13B, GPU, Model, kv_pool_tokens,
+                                     roofline_cost, weight_bound_price)
 
 # the published figures, written out here rather than read back from the module
 A100_BANDWIDTH, A100_FLOPS, A100_MEMORY = 1.555e12, 312e12, 40e9
@@ -83,3 +84,22 @@ def test_figures_carry_their_sources():
         assert record.source
     assert {f.name for f in fields(GPU)} >= {"memory_bytes", "bandwidth", "flops"}
     assert Model("x", 1e9, 2, 8, 16, "here").kv_bytes_per_token == 2 * 2 * 8 * 2
+
+
+H200_BANDWIDTH, H200_FLOPS = 4.8e12, 989e12  # H200 datasheet: HBM3e bandwidth, dense FP16 tensor cores
+LLAMA_PARAMETERS, LLAMA_LAYERS, LLAMA_KV_HEADS, LLAMA_HEAD_SIZE = 8.03e9, 32, 8, 128
+
+
+def test_llama_3_1_8b_keeps_keys_and_values_of_its_eight_kv_heads_only():
+    assert LLAMA_3_1_8B.kv_bytes_per_token == 2 * LLAMA_LAYERS * LLAMA_KV_HEADS * LLAMA_HEAD_SIZE * 2 == 128 * 1024
+    assert LLAMA_3_1_8B.kv_bytes_per_token < 2 * LLAMA_LAYERS * LLAMA_3_1_8B.d_model * 2  # negative control: MHA's
+
+
+def test_the_weight_bound_price_is_an_h200_serving_llama_3_1_8b():
+    price = weight_bound_price()
+    assert price == roofline_cost(LLAMA_3_1_8B, H200)
+    assert price.overhead == 2 * LLAMA_PARAMETERS / H200_BANDWIDTH
+    assert price.per_decode_token == price.per_prefill_token == 2 * LLAMA_PARAMETERS / H200_FLOPS
+    assert price.per_kv_token == 128 * 1024 / H200_BANDWIDTH
+    one, eight = price.step_seconds(0, 1, 0), price.step_seconds(0, 8, 0)
+    assert 1.02 < eight / one < 1.05  # weight-bound: a step of 8 costs about 3% more than a step of 1

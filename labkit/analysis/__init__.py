@@ -4,6 +4,8 @@
 - `cost_fit`: `CostModel.fit`, a step's price fitted to measured steps (`CostFit`);
 - `multiplier`: a headline multiplier taken apart into factors, each the ratio of two runs;
 - `hardware`: step prices from public GPU figures;
+- `prices`: a conclusion about cost under this CPU's price and a GPU's, side by side;
+- `load`: a server's capacity, measured, so that an experiment's load is a fraction of it;
 - `lanes`: host and device lanes, laid out or measured, and what overlap buys;
 - `host`: the CPU time of one scheduling decision;
 - `ordering`: tables that compare queue orders; `tradeoff`: the TTFT / ITL / throughput
@@ -16,5 +18,7 @@ text; none keeps state between calls.
 
 from labkit.analysis import hardware, metrics, multiplier
 from labkit.analysis.cost_fit import CostFit, CostModel
+from labkit.analysis.load import capacity
+from labkit.analysis.prices import by_price, two_prices
 
-__all__ = ["CostFit", "CostModel", "hardware", "metrics", "multiplier"]
+__all__ = ["CostFit", "CostModel", "by_price", "capacity", "hardware", "metrics", "multiplier", "two_prices"]

@@ -1,0 +1,73 @@
+"""Two prices of a step, side by side: where a conclusion about cost holds.
+
+A conclusion that depends on what a step costs (continuous batching's inter-token latency,
+a gain in seconds, when host time wins, what chunked prefill trades) may hold on this CPU
+and not on a GPU, or the other way round. On this CPU every row a step computes costs real
+time; on a GPU serving a real model a small batch is weight-bound and an extra row is
+almost free. So a lesson prints such a conclusion under both prices:
+
+    prices = two_prices(lk.CostModel.load(".../engine-cost.json"))
+    table = by_price(lambda price: {"ITL p50": ..., "tokens/s": ...}, prices)
+    print(table)
+
+Invariants: `two_prices` always names this machine's price first and the GPU's second; a
+`ByPrice` holds one value per (row, price), every row under every price, in the order the
+conclusion gave them; nothing here runs a clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from labkit.analysis.cost_fit import CostModel
+from labkit.analysis.hardware import weight_bound_price
+from labkit.analysis.metrics import format_table
+from labkit.sched.cost import HOST_TERMS
+
+THIS_CPU = "this CPU (fitted)"
+GPU = "H200, Llama 3.1 8B (roofline)"
+
+
+def two_prices(this_cpu: CostModel) -> dict[str, CostModel]:
+    """This machine's fitted price and a weight-bound GPU's from public figures, by name."""
+    return {THIS_CPU: this_cpu, GPU: weight_bound_price()}
+
+
+def with_host_of(device: CostModel, host: CostModel) -> CostModel:
+    """`device`'s device terms with `host`'s host terms: the same scheduler and Python loop
+    (priced on this CPU) in front of another device."""
+    return replace(device, **{name: getattr(host, name) for name in HOST_TERMS}, overlap=host.overlap,
+                   overlap_exposed=host.overlap_exposed)
+
+
+@dataclass(frozen=True)
+class ByPrice:
+    """A conclusion's numbers under each price: `values[price][row]`."""
+
+    values: dict[str, dict[str, float]]
+    fmt: str = "{:.2f}x"
+
+    def __post_init__(self):
+        rows = [list(by_row) for by_row in self.values.values()]
+        if not rows or any(names != rows[0] for names in rows):
+            raise ValueError(f"values = {self.values!r}: every price needs the same rows, in the same order")
+
+    def __getitem__(self, price: str) -> dict[str, float]:
+        return self.values[price]
+
+    def row(self, name: str) -> dict[str, float]:
+        """One row's value under each price."""
+        return {price: by_row[name] for price, by_row in self.values.items()}
+
+    def __str__(self) -> str:
+        prices = list(self.values)
+        rows = [[name, *(self.fmt.format(self.values[price][name]) for price in prices)]
+                for name in self.values[prices[0]]]
+        return format_table(["", *prices], rows)
+
+
+def by_price(conclude: Callable[[CostModel], dict[str, float]], prices: dict[str, CostModel],
+             fmt: str = "{:.2f}x") -> ByPrice:
+    """`conclude(price)`, a dict of named numbers, under every price."""
+    return ByPrice({name: dict(conclude(price)) for name, price in prices.items()}, fmt)
