@@ -9,12 +9,13 @@ Importing labkit loads numpy only; `labkit.viz` loads plotly and ipywidgets, and
 import importlib
 
 from labkit import theory
-from labkit.analysis import CostModel, by_price, capacity, hardware, metrics, multiplier, two_prices
+from labkit.analysis import ByPrice, CostModel, by_price, capacity, hardware, metrics, multiplier, two_prices
 from labkit.sched import (Continuous, Decision, Dynamic, Priority, SchedulerState, ShortestPredictedFirst, Static,
                           StepLog, simulate)
 from labkit.traffic import Trace
 
 __all__ = [
+    "ByPrice",
     "Continuous",
     "CostModel",
     "Decision",

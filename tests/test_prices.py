@@ -38,3 +38,8 @@ def test_the_gpu_with_this_cpus_host_keeps_the_gpus_device_and_the_cpus_host():
     assert both.device_seconds(3, 5, 7) == weight_bound_price().device_seconds(3, 5, 7)
     assert both.host_seconds(4, 9) == CPU_PRICE.host_seconds(4, 9)
     assert weight_bound_price().host_seconds(4, 9) == 0  # negative control: the roofline alone has no host
+
+
+def test_rows_may_have_formats_of_their_own():
+    table = lk.by_price(lambda price: {"ratio": 1.5, "share": 0.25}, lk.two_prices(CPU_PRICE), fmt={"share": "{:.0%}"})
+    assert [line.split()[1:] for line in str(table).splitlines()[1:]] == [["1.50x", "1.50x"], ["25%", "25%"]]

@@ -19,6 +19,6 @@ text; none keeps state between calls.
 from labkit.analysis import hardware, metrics, multiplier
 from labkit.analysis.cost_fit import CostFit, CostModel
 from labkit.analysis.load import capacity
-from labkit.analysis.prices import by_price, two_prices
+from labkit.analysis.prices import ByPrice, by_price, two_prices
 
-__all__ = ["CostFit", "CostModel", "by_price", "capacity", "hardware", "metrics", "multiplier", "two_prices"]
+__all__ = ["ByPrice", "CostFit", "CostModel", "by_price", "capacity", "hardware", "metrics", "multiplier", "two_prices"]

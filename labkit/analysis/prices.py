@@ -43,10 +43,11 @@ def with_host_of(device: CostModel, host: CostModel) -> CostModel:
 
 @dataclass(frozen=True)
 class ByPrice:
-    """A conclusion's numbers under each price: `values[price][row]`."""
+    """A conclusion's numbers under each price: `values[price][row]`, printed with `fmt`, one
+    format for every row or a format per row ("{:.2f}x" for a row it does not name)."""
 
     values: dict[str, dict[str, float]]
-    fmt: str = "{:.2f}x"
+    fmt: str | dict[str, str] = "{:.2f}x"
 
     def __post_init__(self):
         rows = [list(by_row) for by_row in self.values.values()]
@@ -62,12 +63,15 @@ class ByPrice:
 
     def __str__(self) -> str:
         prices = list(self.values)
-        rows = [[name, *(self.fmt.format(self.values[price][name]) for price in prices)]
+        rows = [[name, *(self._format(name).format(self.values[price][name]) for price in prices)]
                 for name in self.values[prices[0]]]
         return format_table(["", *prices], rows)
 
+    def _format(self, row: str) -> str:
+        return self.fmt if isinstance(self.fmt, str) else self.fmt.get(row, "{:.2f}x")
+
 
 def by_price(conclude: Callable[[CostModel], dict[str, float]], prices: dict[str, CostModel],
-             fmt: str = "{:.2f}x") -> ByPrice:
+             fmt: str | dict[str, str] = "{:.2f}x") -> ByPrice:
     """`conclude(price)`, a dict of named numbers, under every price."""
     return ByPrice({name: dict(conclude(price)) for name, price in prices.items()}, fmt)

@@ -20,6 +20,7 @@ from labkit import theory
 from labkit.analysis import CostModel, metrics
 from labkit.exercises.feedback import (
     BadAnswer,
+    NumberPair,
     Question,
     choice,
     correct,
@@ -29,7 +30,7 @@ from labkit.exercises.feedback import (
     real_number,
     whole_number,
 )
-from labkit.sched import Continuous, Static, simulate
+from labkit.sched import Continuous, Static, StepLog, simulate
 from labkit.traffic import Trace
 
 
@@ -58,6 +59,9 @@ class IterationCounts(Question):
         first, second = pair(answer, self.answer_format)
         answered = whole_number(first, "static iterations"), whole_number(second, "continuous iterations")
         static, continuous = self.expected()
+        if answered == (static, continuous) and static == continuous:
+            return correct(f"Both take {static} iterations for the same {sum(self.lengths)} tokens: the longest "
+                           "request sets the end, and refilling slots cannot shorten a single request.")
         if answered == (static, continuous):
             return correct(f"Static batching takes {static} iterations and continuous batching {continuous}: the same "
                            f"{sum(self.lengths)} tokens, {static - continuous} iterations fewer.")
@@ -114,6 +118,57 @@ class IterationCounts(Question):
                 f"{continuous}.\n"
                 f"Run: lk.simulate(q1.trace, lk.Static(num_slots={self.num_slots})).num_steps, and the same with "
                 f"lk.Continuous.\nanswer = ({static}, {continuous})")
+
+
+@dataclass(frozen=True)
+class Utilizations(NumberPair):
+    """Requests with these output lengths all wait at t = 0 for `num_slots` slots: what share
+    of its slot-iterations does each policy keep busy?"""
+
+    lengths: tuple[int, ...]
+    num_slots: int
+    answer_format = "(static utilization, continuous utilization), fractions, e.g. (0.5, 0.8)"
+    names = ("static utilization", "continuous utilization")
+    tolerance = 0.005
+
+    def _logs(self) -> tuple[StepLog, StepLog]:
+        trace = Trace.from_lengths(self.lengths)
+        return simulate(trace, Static(num_slots=self.num_slots)), simulate(trace, Continuous(num_slots=self.num_slots))
+
+    def expected(self) -> tuple[float, float]:
+        return tuple(log.utilization for log in self._logs())
+
+    def grade(self, answer):
+        first, second = pair(answer, self.answer_format)
+        values = real_number(first, self.names[0]), real_number(second, self.names[1])
+        if all(1 < value <= 100 for value in values):  # percentages
+            answer = (values[0] / 100, values[1] / 100)
+        return super().grade(answer)
+
+    def praise(self) -> str:
+        static, continuous = self._logs()
+        return (f"Both emit {static.num_tokens} tokens: {static.num_tokens}/{static.num_slots * static.num_steps} = "
+                f"{static.utilization:.1%} of static batching's slot-iterations, {continuous.num_tokens}/"
+                f"{continuous.num_slots * continuous.num_steps} = {continuous.utilization:.1%} of continuous "
+                "batching's.")
+
+    def mistakes(self) -> list[tuple[tuple[float, float], str]]:
+        static, continuous = self.expected()
+        return [
+            ((continuous, static), "the two are swapped: give (static, continuous)."),
+            ((1 - static, 1 - continuous), "those are the idle shares. Utilization is the useful slot-iterations: "
+                                           "tokens / (slots × iterations)."),
+        ]
+
+    def hint_text(self) -> str:
+        return ("Every token is one useful slot-iteration, so utilization = total tokens / (slots × iterations); "
+                "count each policy's iterations first.")
+
+    def solution_text(self) -> str:
+        static, continuous = self._logs()
+        return "\n".join(f"{log.policy}: {log.num_tokens} tokens / ({log.num_slots} × {log.num_steps}) = "
+                         f"{log.utilization:.3f}" for log in (static, continuous)) + \
+            f"\nanswer = ({static.utilization:.3f}, {continuous.utilization:.3f})"
 
 
 @dataclass(frozen=True)
