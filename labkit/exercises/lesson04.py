@@ -1,0 +1,121 @@
+"""Lesson 04's check yourself: where a wider TinyGPT's reads of keys and values pass its
+reads of weights (q1), and what 64 rows at a long context cost on a weight-bound GPU (q2).
+
+Invariants: q1 counts the weights of a TinyGPT built with the question's sizes (so it
+imports torch when it grades), as the lesson counts its own; q2 prices steps with
+`labkit.analysis.hardware.weight_bound_price()`. Nothing is written down.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from labkit.analysis.hardware import weight_bound_price
+from labkit.exercises.feedback import Question, correct, incorrect, real_number
+
+BYTES_PER_VALUE = 4  # fp32, as TinyGPT runs on this CPU
+
+
+@dataclass(frozen=True)
+class KVCrossover(Question):
+    """A TinyGPT of width `d_model` and MLP width `d_ff` decodes `batch_size` requests: past
+    how many tokens of context do a step's reads of keys and values pass its weights'?"""
+
+    d_model: int
+    d_ff: int
+    batch_size: int
+    answer_format = "a number of tokens, e.g. 300"
+
+    def sizes(self) -> tuple[int, int]:
+        """(bytes of linear weights, bytes of keys and values per token of context)."""
+        import torch
+
+        from labkit.engine import ModelConfig, TinyGPT
+
+        model = TinyGPT(ModelConfig(d_model=self.d_model, d_ff=self.d_ff), seed=0)
+        weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+        return BYTES_PER_VALUE * weights, 2 * model.config.n_layers * model.config.d_model * BYTES_PER_VALUE
+
+    def expected(self) -> float:
+        weight_bytes, kv_bytes = self.sizes()
+        return weight_bytes / (self.batch_size * kv_bytes)
+
+    def grade(self, answer):
+        tokens = real_number(answer, "tokens")
+        expected = self.expected()
+        if math.isclose(tokens, expected, rel_tol=0.01):
+            weight_bytes, kv_bytes = self.sizes()
+            return correct(f"{weight_bytes / 1e6:.1f} MB of weights / ({self.batch_size} × {kv_bytes:,} bytes) = "
+                           f"{expected:,.0f} tokens: the weights grew with the square of the width, keys and values "
+                           "only with the width, so the crossover moved out.")
+        weight_bytes, kv_bytes = self.sizes()
+        mistakes = [
+            (weight_bytes / kv_bytes, f"that is the crossover for one request; {self.batch_size} requests read "
+                                      f"{self.batch_size} contexts, so divide by {self.batch_size} too."),
+            (2 * expected, "every layer caches a key *and* a value per token: twice d_model values."),
+            (expected / 2, "keys and values are counted twice: 2 × layers × d_model × 4 bytes a token, no more."),
+        ]
+        for candidate, message in mistakes:
+            if math.isclose(tokens, candidate, rel_tol=0.01):
+                return incorrect(f"{tokens:,.0f}: {message}")
+        return incorrect(f"{tokens:,.0f} is not it. {self.hint_text()}")
+
+    def hint_text(self) -> str:
+        return ("Count the linear weights at the new width (4 projections of d_model × d_model and 3 MLP matrices "
+                "of d_model × d_ff per layer, plus the LM head of vocab × d_model), 4 bytes each; a token of context "
+                "holds a key and a value of d_model per layer. The crossover is weight bytes / (B × KV bytes a token).")
+
+    def solution_text(self) -> str:
+        weight_bytes, kv_bytes = self.sizes()
+        return (f"weights: {weight_bytes:,} bytes; keys and values: {kv_bytes:,} bytes a token; "
+                f"{weight_bytes:,} / ({self.batch_size} × {kv_bytes:,}) = {self.expected():,.0f}. "
+                f"answer = {self.expected():.0f}")
+
+
+@dataclass(frozen=True)
+class WeightBoundStep(Question):
+    """On an H200 serving Llama 3.1 8B (`weight_bound_price()`), how many times a decode step of
+    one request does a step of `rows` requests cost, each `context` tokens deep?"""
+
+    rows: int
+    context: int
+    answer_format = "a ratio, e.g. 1.5"
+
+    def seconds(self, rows: int, kv_terms: bool = True) -> float:
+        price = weight_bound_price()
+        return price.step_seconds(0, rows, rows * self.context if kv_terms else 0)
+
+    def expected(self) -> float:
+        return self.seconds(self.rows) / self.seconds(1)
+
+    def grade(self, answer):
+        ratio = real_number(answer, "ratio")
+        expected = self.expected()
+        if math.isclose(ratio, expected, rel_tol=0.02):
+            without_kv = self.seconds(self.rows, kv_terms=False) / self.seconds(1, kv_terms=False)
+            return correct(f"{expected:.2f}×: {1000 * self.seconds(self.rows):.2f} ms against "
+                           f"{1000 * self.seconds(1):.2f} ms. Without the keys and values it would be "
+                           f"{without_kv:.2f}×: at {self.context:,} tokens of context the keys and values cost more "
+                           "than the rows' arithmetic, even where the weights dominate a small step.")
+        if math.isclose(ratio, self.seconds(self.rows, kv_terms=False) / self.seconds(1, kv_terms=False),
+                        rel_tol=0.02):
+            return incorrect(f"{ratio:g}: that leaves out the keys and values each row reads: {self.context:,} "
+                             "tokens of context per request, at the price's per_kv_token.")
+        if math.isclose(ratio, self.rows, rel_tol=0.05):
+            return incorrect(f"{ratio:g} would be {self.rows} separate steps. One step reads the weights once for "
+                             "every row in it.")
+        return incorrect(f"{ratio:g} is not it. {self.hint_text()}")
+
+    def hint_text(self) -> str:
+        return ("price = lk.hardware.weight_bound_price(); a decode step of B requests, each C tokens deep, costs "
+                "price.step_seconds(0, B, B * C). Divide the step of "
+                f"{self.rows} by the step of 1.")
+
+    def solution_text(self) -> str:
+        return (f"price.step_seconds(0, {self.rows}, {self.rows} * {self.context}) / "
+                f"price.step_seconds(0, 1, {self.context}) = {self.expected():.3f}. answer = {self.expected():.2f}")
+
+
+q1 = KVCrossover(d_model=512, d_ff=1536, batch_size=8)
+q2 = WeightBoundStep(rows=64, context=1024)
