@@ -437,3 +437,45 @@ def test_q8_expected_is_the_claim_divided_by_the_other_factors():
     assert question.expected() == 4.0
     assert question.check(4.0) and not question.check(2.0)  # 2.0 ignores the step cost: a named mistake
     assert "fuller steps" in str(question.check(2.0))
+
+
+def at_most_four(state):
+    """A refill that admits at most 4 requests a decision: right on 1 to 4 slots, wrong beyond."""
+    finished = state.finished_in_slots()
+    admit = state.waiting_head(min(4, state.num_free_slots() + len(finished)))
+    return lk.Decision(release=tuple(r.id for r in finished), admit=tuple(r.id for r in admit))
+
+
+def test_grading_reaches_8_and_16_slots():
+    assert {n for _, n in grading_cases()} >= {8, 16}
+
+
+def test_a_refill_capped_at_four_admissions_fails():
+    verdict = q6.on_simulator(at_most_four)
+    assert verdict.status == INCORRECT and "16 slots" in verdict.message
+
+
+def test_the_cap_passes_where_every_case_has_at_most_four_slots():
+    """Negative control: on the small cases alone the cap is indistinguishable from the reference."""
+    small = [(trace, n) for trace, n in grading_cases() if n <= 4]
+    assert all(np.array_equal(lk.simulate(t, as_policy(at_most_four, n)).slots,
+                              lk.simulate(t, lk.Continuous(num_slots=n)).slots) for t, n in small)
+
+
+def forgets_return(state):
+    finished = state.finished_in_slots()
+    admit = state.waiting_head(state.num_free_slots() + len(finished))
+    lk.Decision(release=tuple(r.id for r in finished), admit=tuple(r.id for r in admit))
+
+
+def test_a_missing_return_is_told_from_an_empty_body():
+    forgot = q6.verdict(forgets_return)
+    assert forgot.status == INCORRECT and "forget `return`" in forgot.message
+    assert q6.verdict(refill_stub).status == NOT_ATTEMPTED  # the empty body: not attempted, as before
+
+
+def test_q2_names_the_expectation_of_the_ratio():
+    ratio = lk.theory.monte_carlo("exponential", 16, num_batches=100_000, seed=0).mean_of_ratios[-1]
+    assert abs(ratio - 0.315) < 0.002  # the mistake the lesson's readers made
+    verdict = q2.verdict(round(ratio, 3))
+    assert verdict.status == INCORRECT and "expectation of the ratio" in verdict.message

@@ -41,7 +41,8 @@ from labkit.sched import Continuous, Decision, Request, SchedulerState, StepLog,
 from labkit.traffic import Trace
 
 GRADING_SEED = 20_240_605  # the grading traces: drawn from this seed, never shown before grading
-NUM_GRADING_CASES = 8
+NUM_GRADING_CASES = 10
+WIDE_SLOTS = (8, 16)  # the last cases' slots: a refill that admits only a few a step fails them
 
 
 class PolicyError(ValueError):
@@ -151,16 +152,24 @@ def as_policy(refill: Callable[[SchedulerState], Decision], num_slots: int) -> R
 
 
 def grading_cases() -> list[tuple[Trace, int]]:
-    """(trace, num_slots) pairs the refill step is graded on: backlogged or arriving, with prompts."""
+    """(trace, num_slots) pairs the refill step is graded on: backlogged or arriving, with prompts,
+    on 1 to 4 slots and then on 8 and 16, where a backlog fills every slot in one decision."""
     rng = np.random.default_rng(GRADING_SEED)
+    slots = [int(rng.integers(1, 5)) for _ in range(NUM_GRADING_CASES - len(WIDE_SLOTS))] + list(WIDE_SLOTS)
     cases = []
-    for index in range(NUM_GRADING_CASES):
-        num_slots = int(rng.integers(1, 5))
-        trace = Trace.sample(int(rng.integers(num_slots + 2, 16)), output="exponential",
+    for index, num_slots in enumerate(slots):
+        trace = Trace.sample(int(rng.integers(num_slots + 2, 2 * num_slots + 14)), output="exponential",
                              mean_output=float(rng.uniform(2, 10)), prompt="uniform", mean_prompt=8,
                              rate=None if index % 2 else float(rng.uniform(10, 60)), seed=int(rng.integers(2**31)))
         cases.append((trace, num_slots))
     return cases
+
+
+def has_no_body(function) -> bool:
+    """Whether `function` does nothing at all: a docstring, `pass` or `...` alone (it names
+    nothing and keeps no variable of its own)."""
+    code = getattr(function, "__code__", None)
+    return code is not None and not code.co_names and code.co_nlocals == code.co_argcount
 
 
 def admit_newest_first(state: SchedulerState) -> Decision:
@@ -246,7 +255,7 @@ class RefillStep(Question):
             try:
                 mine = simulate(trace, as_policy(refill, num_slots))
             except Exception as error:
-                return self._run_failure(error, where)
+                return self._run_failure(error, where, refill)
             reference = simulate(trace, Continuous(num_slots=num_slots))
             if not _same_schedule(mine, reference):
                 return incorrect(f"{where}, {_first_difference(mine, reference)}. "
@@ -263,7 +272,7 @@ class RefillStep(Question):
         try:
             mine = engine.run(trace, as_policy(refill, num_slots), progress=False)
         except Exception as error:
-            return self._run_failure(error, where)
+            return self._run_failure(error, where, refill)
         reference = engine.run(trace, Continuous(num_slots=num_slots), progress=False)
         if not _same_schedule(mine, reference):
             return incorrect(f"{where}, {_first_difference(mine, reference)}. {_diagnosis(trace, num_slots, mine)} "
@@ -275,10 +284,14 @@ class RefillStep(Question):
         return correct(f"On the engine, which asks it before every step: the same slots and the same {num_tokens} "
                        "tokens.")
 
-    def _run_failure(self, error: Exception, where: str):
-        if isinstance(error, NotImplementedError) or (isinstance(error, NoDecision) and error.at_start):
+    def _run_failure(self, error: Exception, where: str, refill):
+        if isinstance(error, NotImplementedError) or (isinstance(error, NoDecision) and error.at_start
+                                                      and has_no_body(refill)):
             return not_attempted("refill has no body yet: write it so that it returns a lk.Decision, then run the "
                                  "cell again.")
+        if isinstance(error, NoDecision):
+            return incorrect(f"{where}: {error}. Did you forget `return`? A function that computes a Decision and "
+                             "does not return it returns None.")
         if isinstance(error, PolicyError):
             return incorrect(f"{where}: {error}.")
         return incorrect(f"{where}, the run stopped with {describe_error(error)}. For the traceback, run "

@@ -212,6 +212,11 @@ class ExponentialUtilization(Question):
             (1 / size, f"1/{size} would mean one request did all the work of each batch. The longest of {size} "
                        f"exponential lengths is H_{size} = {gain:.2f} times the mean, not {size} times."),
         ]
+        mean_of_ratios = theory.monte_carlo("exponential", size, num_batches=100_000, seed=0).mean_of_ratios[-1]
+        mistakes.append((mean_of_ratios, "that is the mean of each batch's own utilization, the expectation of the "
+                                         "ratio. Long batches take more of the machine's time than short ones: pool "
+                                         "the work and the capacity over many batches, E[L] / E[max], the ratio of "
+                                         "expectations."))
         return mistakes + [(theory.exponential_utilization(other), f"that is 1/H_{other}, for batches of {other}; "
                             f"here B = {size}.") for other in (8, 32) if other != size]
 
