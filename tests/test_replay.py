@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import itertools
 import json
+import re
 import signal
 import socket
 import subprocess
@@ -293,7 +294,8 @@ def test_the_server_s_gauges_are_scraped_while_the_replay_runs(stand_in):
                  progress=False)
     series = log.server
     assert len(series) >= 3
-    assert (np.diff(series.times) > 0).all() and 0 <= series.times[0] and series.times[-1] <= log.duration + 0.1
+    assert (np.diff(series.times) > 0).all() and 0 <= series.times[0]
+    assert len(series) <= log.duration / 0.01 + 2  # one scrape per interval at most: no clock margin, one-sided
     assert series.running.max() >= 1 and set(series.running) <= {0, 1, 2, 3, 4}
     assert (series.waiting == 7).all()
     assert series.kv_usage.tolist() == (series.running / 10).tolist()
@@ -731,6 +733,36 @@ def test_the_command_takes_a_tokenizer_directory_for_text_prompts(stand_in, caps
     assert "\nfallbacks: text prompts\n" in out and "failed: 0 of 3 requests" in out
     prompts = [sends_by_length(stand_in)[n][-1]["prompt"] for n in (3, 2, 5)]
     assert [len(byte_level_tokenizer().encode(p, add_special_tokens=False)) for p in prompts] == [4, 2, 9]
+
+
+def test_load_sets_the_rate_from_the_capacity_the_server_showed(stand_in, capsys, tmp_path):
+    path = tmp_path / "trace.csv"
+    rows = "".join(f"2024-01-01 00:00:{second:02d}.00,2,4\n" for second in range(0, 40, 5))  # 8 requests over 35 s
+    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + rows)
+    parser, command = replay_parser()
+    args = parser.parse_args(["replay", str(path), "--url", stand_in.url, "--model", MODEL, "--load", "2",
+                              "--no-progress"])
+    assert replay_command(args, command) == 0
+    out = capsys.readouterr().out
+    served, sent = (float(x) for x in re.search(r"capacity: ([\d.]+) requests/s with all 8 sent at once, so "
+                                                 r"([\d.]+) requests/s", out).groups())
+    assert sent == pytest.approx(2 * served, rel=0.01)
+    arrivals = sorted(at for at, _ in stand_in.behaviour.received[8:])  # after the 8 of the probe
+    assert arrivals[-1] - arrivals[0] < 35 / 2  # the 35 s of the trace, squeezed to the server's pace
+    assert len(stand_in.behaviour.received) == 16
+
+
+@pytest.mark.parametrize("argv, error", [
+    (["toy", "--load", "2"], "argument --load: toy's requests all arrive at once"),
+    (["azure-conv", "--load", "2", "--rate-scale", "4"], "argument --load: sets the rate from the server's capacity"),
+    (["azure-conv", "--load", "0"], "argument --load: '0': must be a number > 0"),
+])
+def test_load_refuses_what_it_cannot_do(stand_in, argv, error, capsys):
+    parser, command = replay_parser()
+    with pytest.raises(SystemExit):
+        replay_command(parser.parse_args(["replay", *argv, "--url", stand_in.url, "--model", MODEL, "--no-progress"]),
+                       command)
+    assert error in capsys.readouterr().err
 
 
 def test_the_command_exits_1_when_the_server_is_unreachable(capsys):

@@ -56,6 +56,12 @@ def add_replay_parser(commands) -> argparse.ArgumentParser:
         help="send this many times faster than the trace's arrivals (default 1)",
     )
     parser.add_argument(
+        "--load", type=positive_number, default=None,
+        help="first send every request at once to measure the server's capacity, then replay the trace's arrivals "
+        "stretched to LOAD times that rate (0.5: below capacity, 2: over it), whatever the machine; not with "
+        "--rate-scale",
+    )
+    parser.add_argument(
         "--max-concurrency", type=whole_number(1), default=None,
         help="at most this many requests in flight (default: no limit)",
     )
@@ -95,14 +101,15 @@ def replay_command(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     from labkit.serve.replay import replay
 
     trace, description = load_replay_trace(args, parser)
+    options = dict(url=args.url, model=args.model, max_concurrency=args.max_concurrency, seed=args.seed,
+                   tokenizer=args.tokenizer, api_key=args.api_key)
     try:
-        log = replay(trace, url=args.url, model=args.model, rate_scale=args.rate_scale,
-                     max_concurrency=args.max_concurrency, seed=args.seed, tokenizer=args.tokenizer, api_key=args.api_key,
-                     progress=not args.no_progress)
+        trace, pace = at_load(trace, args, parser, options)
+        log = replay(trace, rate_scale=args.rate_scale, progress=not args.no_progress, **options)
     except ValueError as error:
         parser.error(str(error))
     print(f"server: {log.url}, model {args.model}")
-    print(f"trace:  {description}, rate scale {args.rate_scale:g}")
+    print(f"trace:  {description}, {pace}")
     print(f"        {log.trace!r}")
     print(f"fallbacks: {', '.join(log.fallbacks) or 'none'}")
     print()
@@ -110,6 +117,28 @@ def replay_command(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     print()
     print_failures(log.failures, len(log.trace))
     return 1 if log.failures else 0
+
+
+def at_load(trace: lk.Trace, args: argparse.Namespace, parser: argparse.ArgumentParser,
+            options: dict) -> tuple[lk.Trace, str]:
+    """`trace` stretched to --load times the server's capacity, measured by sending every request at
+    once, and a line saying so; with no --load, `trace` and its rate scale."""
+    if args.load is None:
+        return trace, f"rate scale {args.rate_scale:g}"
+    if args.rate_scale != 1:
+        parser.error("argument --load: sets the rate from the server's capacity; leave out --rate-scale")
+    if trace.arrivals.max() == trace.arrivals.min():
+        parser.error(f"argument --load: {args.trace}'s requests all arrive at once, so there is no rate to set; "
+                     "use azure-conv, a CSV trace or exponential with --rate")
+    from labkit.serve.replay import replay
+
+    probe = replay(trace.backlogged(), progress=False, **options)
+    if probe.failures:
+        print_failures(probe.failures, len(trace))
+        parser.error(f"argument --load: the capacity probe failed {len(probe.failures)} of {len(trace)} requests")
+    served = len(trace) / probe.duration
+    return trace.at_rate(args.load * served), (f"{args.load:g} × the server's capacity: {served:.2f} requests/s with "
+                                               f"all {len(trace)} sent at once, so {args.load * served:.2f} requests/s")
 
 
 def predicted_beside(trace: lk.Trace, args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
