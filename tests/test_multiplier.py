@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import labkit as lk
 from labkit.sched.blocks import num_blocks_for
 from labkit.engine import Engine, ModelConfig
-from labkit.analysis.multiplier import KINDS, Memory, Multiplier, predict, take_apart
+from labkit.analysis.multiplier import KINDS, Memory, Multiplier, memory_first, predict, take_apart
 
 TOY = lk.Trace.from_lengths([2, 6, 3, 8, 2, 4, 5, 2])
 TOY_MEMORY = Memory(pool_tokens=16, reserve_tokens=8, max_slots=8, block_size=1)  # B0 = 2; the paged pool holds 16
@@ -400,3 +400,14 @@ def test_the_bars_stack_log_factors_to_each_total_and_star_only_published_names(
     unpublished = lk.viz.multiplier_bars(ms)
     assert "published" not in [t.name for t in unpublished.data]
     assert len(unpublished.data) == len(KINDS) + 1
+
+
+def test_memory_first_takes_the_other_order_to_the_same_product():
+    toy = lk.Trace.from_lengths([2, 6, 3, 8, 2, 4, 5, 2])
+    m = take_apart(toy, Memory(pool_tokens=16, reserve_tokens=8, max_slots=8, block_size=1), lk.simulate)
+    other = memory_first(toy, m)
+    assert other["batch paging holds"] == round(32 / 8)  # 32 request-steps over the paged run's 8 steps
+    grown = lk.simulate(toy, lk.Static(num_slots=4)).num_steps
+    assert (other["memory"], other["refill"]) == (23 / grown, grown / 8)
+    assert other["memory"] * other["refill"] == pytest.approx(m.factor("refill") * m.factor("memory"))
+    assert other["refill"] != m.factor("refill")  # negative control: the order moves the split

@@ -215,6 +215,19 @@ def predict(trace: Trace, memory: Memory, cost: CostModel, baseline_costs: dict[
     return take_apart(trace, memory, partial(simulate, cost=cost), baselines, name)
 
 
+def memory_first(trace: Trace, multiplier: Multiplier) -> dict[str, float]:
+    """Refill and memory taken in the other order: first the batch paging lets a request
+    count grow to (static batches as large as the paged run's mean number of running
+    requests, memory assumed not to bind), then refill at that batch. Counted in steps, as
+    in `take_apart`, so the two still multiply to refill × memory: both chains run from the
+    full static run to the paged one."""
+    runs = multiplier.runs
+    start, paged = runs.get("full static", runs["static"]), runs["paged"]
+    batch = round(float((paged.slots >= 0).sum(axis=1).mean()))
+    grown = simulate(trace, Static(num_slots=batch)).num_steps
+    return {"batch paging holds": batch, "memory": start.num_steps / grown, "refill": grown / paged.num_steps}
+
+
 def _check_runs(trace: Trace, runs: dict) -> None:
     """Every run served every token, and each baseline ran the static schedule's steps."""
     expected = int(trace.output_lengths.sum())
