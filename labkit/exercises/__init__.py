@@ -1,15 +1,20 @@
-"""labkit.exercises: problems with instant feedback, for lessons 07, 08, 10 and 11.
+"""labkit.exercises: problems with instant feedback, for every lesson's check yourself.
 
     from labkit.exercises import q1
     q1.check(answer)     # prints a verdict and returns it: truthy only when correct
     q1.hint(); q1.solution()
+
+    from labkit.exercises.lesson04 import q1   # lessons 01 to 06 have questions of their own
 
 q1–q5 ask to predict a number or a choice (labkit.exercises.predict); q6 asks for the
 refill step of continuous batching as a function, graded against `lk.Continuous` in the
 simulator and on the engine (labkit.exercises.policy); q7 asks how long a step takes with
 and without overlap scheduling (labkit.exercises.host); q8 asks for the factor a headline
 multiplier leaves to the implementation (labkit.exercises.multiplier); q9 asks what the
-order of the waiting queue does to latency (labkit.exercises.ordering).
+order of the waiting queue does to latency (labkit.exercises.ordering). `lesson01` to
+`lesson06` hold those lessons' check-yourself questions (iterations and utilization, a
+gain's size, block counts, a KV crossover, a weight-bound step, chunked prefill), built from
+the same question types.
 
 Invariants:
 

@@ -1,0 +1,103 @@
+"""The check-yourself graders of lessons 01 to 06: each expects what the library computes, gives a
+right answer its verdict, names the likely slip, and reads a stub as not attempted."""
+
+import math
+
+import numpy as np
+import pytest
+
+import labkit as lk
+from labkit.analysis.hardware import weight_bound_price
+from labkit.exercises import lesson01, lesson02, lesson03, lesson04, lesson05, lesson06
+from labkit.exercises.feedback import CORRECT, INCORRECT, NOT_ATTEMPTED
+
+QUESTIONS = [lesson01.q1, lesson01.q2, lesson02.q1, lesson02.q3, lesson03.q1, lesson04.q1, lesson04.q2, lesson05.q1,
+             lesson05.q2, lesson06.q1]
+
+
+def status(question, answer):
+    return question.verdict(answer).status
+
+
+@pytest.mark.parametrize("question", QUESTIONS, ids=lambda q: type(q).__name__)
+def test_a_stub_is_not_attempted_and_garbage_gets_a_verdict(question):
+    assert status(question, None) == NOT_ATTEMPTED
+    for junk in ("x", [1, 2, 3], {"a": 1}, float("nan"), object()):
+        assert status(question, junk) == INCORRECT
+
+
+def test_lesson01_expects_what_the_simulator_counts():
+    trace = lk.Trace.from_lengths([1, 1, 1, 9])
+    static, continuous = (lk.simulate(trace, policy(num_slots=2)) for policy in (lk.Static, lk.Continuous))
+    assert lesson01.q1.expected() == (static.num_steps, continuous.num_steps) == (10, 10)
+    assert lesson01.q2.expected() == (static.utilization, continuous.utilization) == (0.6, 0.6)
+    assert status(lesson01.q2, (60, 60)) == CORRECT  # percentages read as such
+    assert "idle shares" in lesson01.q2.verdict((0.4, 0.4)).message
+    assert "divided the total tokens" in lesson01.q1.verdict((6, 10)).message
+
+
+def test_lesson02_q1_computes_the_uniform_gain_and_names_h_b():
+    lengths = np.arange(1, 128)
+    gain = lk.theory.ideal_gain(lengths, 32)
+    assert 1.9 < gain < 1.95 and lesson02.q1.expected() == 2
+    assert status(lesson02.q1, 2) == CORRECT
+    assert "H_32" in lesson02.q1.verdict(4).message and status(lesson02.q1, 3) == INCORRECT
+
+
+def test_lesson02_q3_replays_the_sorted_trace():
+    azure = lk.Trace.azure_conv().backlogged()
+    ordered = azure.select(np.argsort(azure.output_lengths, kind="stable"))
+    simulated = lk.simulate(ordered, lk.Static(num_slots=8)).utilization
+    assert simulated > lk.theory.static_utilization(azure.output_lengths, 8)
+    assert status(lesson02.q3, "above") == CORRECT and status(lesson02.q3, "Below") == INCORRECT
+
+
+def test_lesson03_uses_the_lessons_own_backlog():
+    backlog = lk.Trace.sample(32, output="exponential", mean_output=32, prompt="uniform", mean_prompt=16, seed=0)
+    first = backlog.select(np.arange(16))
+    expected = tuple(lk.simulate(first, policy(num_slots=4)).num_steps for policy in (lk.Static, lk.Continuous))
+    assert lesson03.q1.expected() == expected and status(lesson03.q1, expected) == CORRECT
+    assert status(lesson03.q1, expected[::-1]) == INCORRECT
+
+
+def test_lesson04_q1_counts_the_wider_models_weights():
+    weights = 4 * (4 * 512 * 512 + 3 * 512 * 1536) + 512 * 512  # per layer times 4 layers, then the LM head
+    kv_bytes = 2 * 4 * 512 * 4
+    assert lesson04.q1.expected() == pytest.approx(4 * weights / (8 * kv_bytes))
+    assert status(lesson04.q1, 424) == CORRECT
+    assert "divide by 8" in lesson04.q1.verdict(3392).message  # the crossover for one request
+    assert "a key *and* a value" in lesson04.q1.verdict(848).message
+
+
+def test_lesson04_q2_prices_the_step_on_the_h200():
+    price = weight_bound_price()
+    expected = price.step_seconds(0, 64, 64 * 1024) / price.step_seconds(0, 1, 1024)
+    assert lesson04.q2.expected() == pytest.approx(expected) and 1.7 < expected < 1.9
+    assert status(lesson04.q2, round(expected, 2)) == CORRECT
+    without_kv = price.step_seconds(0, 64, 0) / price.step_seconds(0, 1, 0)
+    assert "leaves out the keys and values" in lesson04.q2.verdict(round(without_kv, 2)).message
+    assert "separate steps" in lesson04.q2.verdict(64).message
+
+
+def test_lesson05_q1_tells_each_slip_apart():
+    assert lesson05.q1.expected() == (math.ceil(49 / 16), math.ceil(144 / 16)) == (4, 9)
+    assert status(lesson05.q1, (4, 9)) == CORRECT
+    assert "begin-of-sequence" in lesson05.q1.verdict((3, 9)).message  # the slip the old numbers hid
+    assert "never cached" in lesson05.q1.verdict((4, 10)).message
+
+
+def test_lesson05_q2_simulates_both_victims():
+    trace = lk.Trace.sample(32, output="uniform", mean_output=64, prompt="uniform", mean_prompt=32, seed=0)
+    logs = {v: lk.simulate(trace, lk.Continuous(num_slots=16, num_blocks=64, victim=v)) for v in ("newest", "longest")}
+    fewer_preemptions = min(logs, key=lambda v: logs[v].num_preemptions)
+    fewer_recomputed = min(logs, key=lambda v: logs[v].recomputed_tokens)
+    assert fewer_preemptions != fewer_recomputed  # the question has a trade in it
+    assert status(lesson05.q2, (fewer_preemptions, fewer_recomputed)) == CORRECT
+    assert status(lesson05.q2, (fewer_recomputed, fewer_preemptions)) == INCORRECT
+
+
+def test_lesson06_counts_the_chunks_beside_seven_decodes():
+    assert lesson06.q1.expected() == (math.ceil(1000 / (256 - 7)), math.ceil(1000 / (256 - 7))) == (5, 5)
+    assert status(lesson06.q1, (5, 5)) == CORRECT
+    assert "take their token each first" in lesson06.q1.verdict((4, 4)).message
+    assert "count the iterations from 1" in lesson06.q1.verdict((5, 4)).message
