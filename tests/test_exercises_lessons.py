@@ -32,7 +32,9 @@ def test_lesson01_expects_what_the_simulator_counts():
     assert lesson01.q1.expected() == (static.num_steps, continuous.num_steps) == (10, 10)
     assert lesson01.q2.expected() == (static.utilization, continuous.utilization) == (0.6, 0.6)
     assert status(lesson01.q2, (60, 60)) == CORRECT  # percentages read as such
-    assert "idle shares" in lesson01.q2.verdict((0.4, 0.4)).message
+    assert "idle share" in lesson01.q2.verdict((0.4, 0.4)).message
+    assert "Static: 0.6 is right" in lesson01.q2.verdict((0.6, 1.0)).message  # each number graded on its own
+    assert "draining tail" in lesson01.q2.verdict((0.6, 1.0)).message
     assert "divided the total tokens" in lesson01.q1.verdict((6, 10)).message
 
 

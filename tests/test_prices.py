@@ -24,7 +24,7 @@ def test_a_conclusion_is_computed_under_every_price_and_printed_as_rows():
                                     GPU: pytest.approx(1000 * weight_bound_price().device_seconds(0, 1, 0))}
     assert table[THIS_CPU]["eight rows"] == pytest.approx(1 + 8 * 0.2)
     lines = str(table).splitlines()
-    assert lines[0].split() == ["this", "CPU", "(fitted)", "H200,", "Llama", "3.1", "8B", "(roofline)"]
+    assert lines[0].split() == ["CPU", "(saved", "fit)", "H200", "(spec", "sheet)"]
     assert lines[1].split()[:4] == ["one", "row", "1.200", "ms"] and lines[2].startswith("eight rows")
 
 

@@ -5,8 +5,8 @@ point ("0.94 and 1.13"), or that carries a unit: a percentage, a multiplier (×)
 (ms, µs, s, seconds), a size (KB, MB, GB), a rate (tokens/s, requests/s) or a count of
 something the lesson counts (tokens, iterations, steps, blocks, requests, slots,
 preemptions). A number word for a ratio ("twice", "three times", "half", "a fifth") is a
-stated number too. Numbers inside inline code, LaTeX and links are left out: they are code
-or notation, not claims.
+stated number too. Numbers inside inline code, LaTeX, links and a model's name ("Llama 3.1
+8B") are left out: they are code, notation or names, not claims.
 
 Each number must equal a number printed by a checked cell of the same notebook (one whose
 source has no NBVAL_IGNORE_OUTPUT), compared as values, so "1.40×" matches a printed
@@ -38,7 +38,7 @@ NUMBER_WORDS |= {f"{word} times": n for n, word in enumerate(("two", "three", "f
 WORD = re.compile(rf"\b({'|'.join(NUMBER_WORDS)})\b", re.I)
 WORD_TOLERANCE = 0.1  # a number word is an approximation: within 10% of a printed value
 BOLD = re.compile(r"\*\*(.+?)\*\*", re.S)
-NOT_PROSE = re.compile(r"`[^`]*`|\$[^$]*\$|\]\([^)]*\)|<[^>]+>")
+NOT_PROSE = re.compile(r"`[^`]*`|\$[^$]*\$|\]\([^)]*\)|<[^>]+>|Llama [\d.]+ \d+B")  # a model's name is no claim
 
 
 def value(number: str) -> float:
@@ -127,6 +127,11 @@ def test_what_counts_as_a_stated_number():
     markdown = ("Static takes **23** iterations at 69.6% utilization, 1.40× the rate, 25 ms a step, a "
                 "**1,500-token** prompt; not `num_slots=2`, not $H_8$, not [v0.6](https://x.org/v0.6) or list item 3.")
     assert [number for number, _ in stated_numbers(markdown)] == ["23", "69.6", "1.40", "25", "1,500"]
+
+
+def test_a_models_name_is_not_a_claim_but_a_number_beside_it_is():
+    markdown = "an H200 serving Llama 3.1 8B at **1.03×**; Llama 3.1 took 3.1 ms"
+    assert [number for number, _ in stated_numbers(markdown)] == ["1.03", "3.1", "3.1"]
 
 
 def test_bare_decimals_sizes_and_number_words_count_too():

@@ -25,12 +25,14 @@ from labkit.analysis.hardware import weight_bound_price
 from labkit.analysis.metrics import format_table
 from labkit.sched.cost import HOST_TERMS
 
-THIS_CPU = "this CPU (fitted)"
-GPU = "H200, Llama 3.1 8B (roofline)"
+THIS_CPU = "CPU (saved fit)"  # this lab's engine, fitted once on the lab's 2-core CPU and saved
+GPU = "H200 (spec sheet)"  # Llama 3.1 8B on an H200, priced from published figures
 
 
 def two_prices(this_cpu: CostModel) -> dict[str, CostModel]:
-    """This machine's fitted price and a weight-bound GPU's from public figures, by name."""
+    """This lab's engine's saved price on its CPU, and a weight-bound GPU's (an H200 serving
+    Llama 3.1 8B) from public figures, by name. The GPU's weight reads and arithmetic add,
+    where a roofline would take the larger: large steps come out a little dear."""
     return {THIS_CPU: this_cpu, GPU: weight_bound_price()}
 
 

@@ -20,7 +20,6 @@ from labkit import theory
 from labkit.analysis import CostModel, metrics
 from labkit.exercises.feedback import (
     BadAnswer,
-    NumberPair,
     Question,
     choice,
     correct,
@@ -121,14 +120,13 @@ class IterationCounts(Question):
 
 
 @dataclass(frozen=True)
-class Utilizations(NumberPair):
+class Utilizations(Question):
     """Requests with these output lengths all wait at t = 0 for `num_slots` slots: what share
     of its slot-iterations does each policy keep busy?"""
 
     lengths: tuple[int, ...]
     num_slots: int
     answer_format = "(static utilization, continuous utilization), fractions, e.g. (0.5, 0.8)"
-    names = ("static utilization", "continuous utilization")
     tolerance = 0.005
 
     def _logs(self) -> tuple[StepLog, StepLog]:
@@ -140,25 +138,41 @@ class Utilizations(NumberPair):
 
     def grade(self, answer):
         first, second = pair(answer, self.answer_format)
-        values = real_number(first, self.names[0]), real_number(second, self.names[1])
-        if all(1 < value <= 100 for value in values):  # percentages
-            answer = (values[0] / 100, values[1] / 100)
-        return super().grade(answer)
+        answered = [self._fraction(real_number(value, name)) for value, name in
+                    ((first, "static utilization"), (second, "continuous utilization"))]
+        expected = self.expected()
+        right = [math.isclose(a, e, abs_tol=self.tolerance) for a, e in zip(answered, expected)]
+        if all(right):
+            return correct(self._praise())
+        if all(math.isclose(a, e, abs_tol=self.tolerance) for a, e in zip(answered, expected[::-1])):
+            return incorrect("The two are swapped: give (static, continuous).")
+        notes = [self._note(label, value, target, ok) for label, value, target, ok in
+                 zip(("Static", "Continuous"), answered, expected, right)]
+        if any(note.endswith("is not it.") for note in notes):
+            notes.append(self.hint_text())
+        return incorrect(" ".join(notes))
 
-    def praise(self) -> str:
+    @staticmethod
+    def _fraction(value: float) -> float:
+        """A share as a fraction; 60 reads as 60%."""
+        return value / 100 if 1 < value <= 100 else value
+
+    def _note(self, label: str, value: float, target: float, ok: bool) -> str:
+        if ok:
+            return f"{label}: {value:.3g} is right."
+        if math.isclose(value, 1 - target, abs_tol=self.tolerance):
+            return f"{label}: {value:.3g} is the idle share; utilization is the useful one, tokens / (slots × iterations)."
+        if label == "Continuous" and value == 1:
+            return ("Continuous: not 100%. It keeps every slot busy only while a request waits; at the end the last "
+                    "one runs alone (the draining tail), and its slot's partner idles.")
+        return f"{label}: {value:.3g} is not it."
+
+    def _praise(self) -> str:
         static, continuous = self._logs()
         return (f"Both emit {static.num_tokens} tokens: {static.num_tokens}/{static.num_slots * static.num_steps} = "
                 f"{static.utilization:.1%} of static batching's slot-iterations, {continuous.num_tokens}/"
                 f"{continuous.num_slots * continuous.num_steps} = {continuous.utilization:.1%} of continuous "
                 "batching's.")
-
-    def mistakes(self) -> list[tuple[tuple[float, float], str]]:
-        static, continuous = self.expected()
-        return [
-            ((continuous, static), "the two are swapped: give (static, continuous)."),
-            ((1 - static, 1 - continuous), "those are the idle shares. Utilization is the useful slot-iterations: "
-                                           "tokens / (slots × iterations)."),
-        ]
 
     def hint_text(self) -> str:
         return ("Every token is one useful slot-iteration, so utilization = total tokens / (slots × iterations); "
