@@ -38,12 +38,12 @@ def test_lesson01_expects_what_the_simulator_counts():
     assert "divided the total tokens" in lesson01.q1.verdict((6, 10)).message
 
 
-def test_lesson02_q1_computes_the_uniform_gain_and_names_h_b():
-    lengths = np.arange(1, 128)
+def test_lesson02_q1_computes_the_uniform_gain_and_bounds_it():
+    lengths = np.arange(100, 301)
     gain = lk.theory.ideal_gain(lengths, 32)
-    assert 1.9 < gain < 1.95 and lesson02.q1.expected() == 2
-    assert status(lesson02.q1, 2) == CORRECT
-    assert "H_32" in lesson02.q1.verdict(4).message and status(lesson02.q1, 3) == INCORRECT
+    assert 1.45 < gain < 1.5 and lesson02.q1.expected() == 1.5
+    assert status(lesson02.q1, 1.5) == CORRECT
+    assert "at most 300 / 200 = 1.50" in lesson02.q1.verdict(2).message and status(lesson02.q1, 3) == INCORRECT
 
 
 def test_lesson02_q3_replays_the_sorted_trace():

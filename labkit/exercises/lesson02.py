@@ -25,8 +25,11 @@ class NearestGain(Question):
     shortest: int
     longest: int
     batch_size: int
-    options: tuple[int, ...] = (1, 2, 4)
-    answer_format = "one of 1, 2 or 4 (times)"
+    options: tuple[float, ...] = (1, 2, 4)
+
+    @property
+    def answer_format(self) -> str:
+        return f"one of {', '.join(map(str, self.options[:-1]))} or {self.options[-1]} (times)"
 
     @property
     def lengths(self) -> np.ndarray:
@@ -42,28 +45,26 @@ class NearestGain(Question):
         value = real_number(answer, "gain")
         if value not in self.options:
             raise BadAnswer(f"gain = {value:g}: choose one of {', '.join(map(str, self.options))}.")
-        gain, size = self.gain(), self.batch_size
+        gain, size, mean = self.gain(), self.batch_size, self.lengths.mean()
         if value == self.expected():
-            return correct(f"E[max of {size}] / E[L] = {gain:.2f} for these whole-number lengths (2B/(B + 1) = "
-                           f"{2 * size / (size + 1):.2f} for the continuous law): a batch of {size} almost always "
-                           f"holds a request near {self.longest} tokens, about twice the mean, and never one much "
-                           "longer.")
-        if value == 4:
-            return incorrect(f"About 4 is H_{size} = {theory.harmonic(size):.2f}, the gain for exponential lengths, "
-                             f"whose longest of {size} runs far past the mean. Uniform lengths stop at "
-                             f"{self.longest}: how long can the longest of a batch be?")
-        return incorrect("1 would mean every batch's longest request is as long as its average one, as with equal "
-                         f"lengths; these spread from {self.shortest} to {self.longest}.")
+            return correct(f"E[max of {size}] / E[L] = {gain:.2f}: a batch of {size} almost always holds a request "
+                           f"near {self.longest} tokens, and never one longer, against a mean of {mean:g}.")
+        if value > self.expected():
+            return incorrect(f"{value:g} is too much: no length exceeds {self.longest}, so E[max] / E[L] is at most "
+                             f"{self.longest} / {mean:g} = {self.longest / mean:.2f}.")
+        return incorrect(f"{value:g} would mean every batch's longest request is as long as its average one, as with "
+                         f"equal lengths; these spread from {self.shortest} to {self.longest}.")
 
     def hint_text(self) -> str:
         return (f"The gain is E[max of {self.batch_size}] / E[L]. The mean is {self.lengths.mean():g}; with "
                 f"{self.batch_size} draws, how close to {self.longest} does the longest get?")
 
     def solution_text(self) -> str:
-        size = self.batch_size
-        return (f"For a continuous uniform law on (0, 2μ), E[max of B] = 2μ · B/(B + 1), so the gain is "
-                f"2B/(B + 1) = {2 * size / (size + 1):.2f} at B = {size}; for these whole-number lengths "
-                f"lk.theory.ideal_gain gives {self.gain():.2f}. answer = {self.expected()}")
+        size, low, high = self.batch_size, self.shortest, self.longest
+        return (f"For a continuous uniform law on (a, b), E[max of B] = a + (b − a) · B/(B + 1): here "
+                f"{low + (high - low) * size / (size + 1):.1f} against a mean of {self.lengths.mean():g}, a gain of "
+                f"about {(low + (high - low) * size / (size + 1)) / self.lengths.mean():.2f}; for these whole-number "
+                f"lengths lk.theory.ideal_gain gives {self.gain():.2f}. answer = {self.expected()}")
 
 
 ABOVE, BELOW = "ABOVE", "BELOW"
@@ -110,5 +111,5 @@ class SortedTrace(Question):
                 f'answer = "{self.expected().lower()}"')
 
 
-q1 = NearestGain(shortest=1, longest=127, batch_size=32)
+q1 = NearestGain(shortest=100, longest=300, batch_size=32, options=(1, 1.5, 2))
 q3 = SortedTrace(batch_size=8)
