@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from labkit.exercises.feedback import BadAnswer, Question, choice, correct, incorrect, pair, whole_number
+from labkit.exercises.feedback import Question, choice, correct, incorrect, pair, whole_number
 from labkit.sched import Continuous, simulate
 from labkit.sched.blocks import num_blocks_for
 from labkit.traffic import Trace
@@ -103,11 +103,12 @@ class VictimRule(Question):
         facts = "; ".join(f'"{rule.lower()}": {preemptions} preemptions, {tokens} tokens recomputed'
                           for rule, (preemptions, tokens) in runs.items())
         if answered == expected:
-            return correct(f"{facts}. Evicting the request that holds the most frees the most blocks at once, so "
-                           "fewer evictions; but it throws away the most computed work each time.")
+            return correct(f"{facts}. On this run, evicting a request that holds much cache frees many blocks at "
+                           "once, so fewer evictions, but throws away much computed work each time; the margin is "
+                           "small, and another pool or draw can reverse it.")
         if answered == expected[::-1]:
-            raise BadAnswer("the two are swapped: the first is the rule with fewer preemptions, the second the one "
-                            "with fewer tokens recomputed.")
+            return incorrect(f"{facts}. (The first answer is the rule with fewer preemptions, the second the one "
+                             "with fewer tokens recomputed.)")
         return incorrect(f"{facts}. Count again: lk.simulate(trace, lk.Continuous(num_slots=16, num_blocks="
                          f"{self.num_blocks}, victim=...)).num_preemptions and .recomputed_tokens.")
 
