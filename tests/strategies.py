@@ -5,9 +5,11 @@ from hypothesis import strategies as st
 
 import labkit as lk
 
-TIMINGS = [  # a constant step, and a cost model whose steps differ by their work
+TIMINGS = [  # a constant step, a cost model whose steps differ by their work, and its roofline (ridge near 4 rows)
     {"step_time": 0.1},
     {"cost": lk.CostModel(overhead=0.01, per_prefill_token=0.002, per_decode_token=0.003, per_kv_token=1e-4)},
+    {"cost": lk.CostModel(overhead=0.01, per_prefill_token=0.002, per_decode_token=0.003, per_kv_token=1e-4,
+                          roofline=True)},
 ]
 
 

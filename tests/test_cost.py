@@ -262,6 +262,20 @@ def test_two_ms_of_host_and_five_of_device_make_a_seven_ms_step_or_a_five_ms_one
     assert replace(model, overlap=True).step_seconds(0, 8, 0) == pytest.approx(5e-3)
 
 
+def test_a_roofline_takes_the_larger_of_memory_and_arithmetic_on_hand_numbers():
+    model = CostModel(overhead=4.0, per_prefill_token=0.5, per_decode_token=1.0, per_kv_token=0.25, roofline=True)
+    assert model.step_seconds(0, 2, 4) == 5.0  # memory 4 + 1 beats arithmetic 2
+    assert model.step_seconds(4, 3, 4) == 5.0  # arithmetic 2 + 3 ties memory 5
+    assert model.step_seconds(6, 3, 0) == 6.0  # arithmetic 3 + 3 beats memory 4
+    assert replace(model, roofline=False).step_seconds(0, 2, 4) == 7.0  # added
+    np.testing.assert_allclose(model.device_seconds([0, 6], [2, 3], [4, 0]), [5.0, 6.0])
+
+
+def test_roofline_must_be_true_or_false():
+    with pytest.raises(ValueError, match="roofline = 'yes': must be True or False"):
+        CostModel(roofline="yes")
+
+
 def test_a_price_per_request_needs_the_requests():
     with pytest.raises(ValueError, match="num_requests = None: host_per_request is set"):
         HOSTED.step_seconds(0, 4, 100)
@@ -286,7 +300,9 @@ def test_overlap_must_be_true_or_false():
 
 @settings(max_examples=200, deadline=None)
 @given(
-    model=st.sampled_from([HOSTED, OVERLAPPED, replace(OVERLAPPED, host_overhead=0.05), replace(KNOWN, overlap=True)]),
+    model=st.sampled_from([HOSTED, OVERLAPPED, replace(OVERLAPPED, host_overhead=0.05), replace(KNOWN, overlap=True),
+                           replace(KNOWN, roofline=True), replace(HOSTED, roofline=True),
+                           replace(OVERLAPPED, roofline=True), replace(OVERLAPPED, roofline=True, host_overhead=0.05)]),
     num_requests=st.integers(1, 1024),
     first_num_kv_tokens=st.integers(0, 100_000),
     seconds=st.floats(-1.0, 50.0),

@@ -72,12 +72,15 @@ def test_lesson04_q1_counts_the_wider_models_weights():
 
 
 def test_lesson04_q2_prices_the_step_on_the_h200():
-    price = weight_bound_price()
-    expected = price.step_seconds(0, 64, 64 * 1024) / price.step_seconds(0, 1, 1024)
-    assert lesson04.q2.expected() == pytest.approx(expected) and 1.7 < expected < 1.9
+    weights, kv_token = 2 * 8.03e9 / 4.8e12, 128 * 1024 / 4.8e12  # seconds to read them at the H200's bandwidth
+    row = 2 * 8.03e9 / 989e12  # one row's arithmetic, far below the weights' read at 64 rows
+    expected = (weights + 64 * 1024 * kv_token) / (weights + 1024 * kv_token)  # memory-bound both
+    assert 64 * row < weights
+    assert lesson04.q2.expected() == pytest.approx(expected)
     assert status(lesson04.q2, round(expected, 2)) == CORRECT
-    without_kv = price.step_seconds(0, 64, 0) / price.step_seconds(0, 1, 0)
-    assert "leaves out the keys and values" in lesson04.q2.verdict(round(without_kv, 2)).message
+    assert "leaves out the keys and values" in lesson04.q2.verdict(1.0).message  # the weights alone
+    added = (weights + 64 * 1024 * kv_token + 64 * row) / (weights + 1024 * kv_token + row)
+    assert "adds the arithmetic" in lesson04.q2.verdict(round(added, 3)).message
     assert "separate steps" in lesson04.q2.verdict(64).message
 
 

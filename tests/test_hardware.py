@@ -1,6 +1,7 @@
 """Step prices from published peaks: closed forms for OPT-13B on an A100 40GB, tensor
 parallelism, and the KV pool beside the weights."""
 
+import dataclasses
 import math
 from dataclasses import fields
 
@@ -35,8 +36,19 @@ def test_roofline_cost_of_opt_13b_on_an_a100():
 def test_a_decode_step_prices_weights_tokens_and_context():
     cost = roofline_cost(OPT_13B, A100_40GB)
     batch, context = 32, 32 * 600
-    expected = 26e9 / A100_BANDWIDTH + batch * 26e9 / A100_FLOPS + context * 819200 / A100_BANDWIDTH
-    assert math.isclose(cost.step_seconds(0, batch, context), expected, rel_tol=1e-12)
+    memory = 26e9 / A100_BANDWIDTH + context * 819200 / A100_BANDWIDTH
+    arithmetic = batch * 2 * OPT_PARAMETERS / A100_FLOPS
+    assert math.isclose(cost.step_seconds(0, batch, context), max(memory, arithmetic), rel_tol=1e-12)
+    assert memory > arithmetic  # a decode step of 32 is memory-bound
+    prefill = 4096  # a long prompt's arithmetic overtakes the weights' read
+    assert math.isclose(cost.step_seconds(prefill, 0, 0), prefill * 2 * OPT_PARAMETERS / A100_FLOPS, rel_tol=1e-12)
+
+
+def test_the_roofline_is_not_the_sum():
+    """Negative control: adding memory and arithmetic prices a decode step of 32 dearer."""
+    cost = roofline_cost(OPT_13B, A100_40GB)
+    added = dataclasses.replace(cost, roofline=False)
+    assert added.step_seconds(0, 32, 19200) > cost.step_seconds(0, 32, 19200)
 
 
 @pytest.mark.parametrize("tp", [2, 4, 8])
@@ -102,4 +114,6 @@ def test_the_weight_bound_price_is_an_h200_serving_llama_3_1_8b():
     assert price.per_decode_token == price.per_prefill_token == 2 * LLAMA_PARAMETERS / H200_FLOPS
     assert price.per_kv_token == 128 * 1024 / H200_BANDWIDTH
     one, eight = price.step_seconds(0, 1, 0), price.step_seconds(0, 8, 0)
-    assert 1.02 < eight / one < 1.05  # weight-bound: a step of 8 costs about 3% more than a step of 1
+    assert eight == one  # weight-bound: a step of 8 costs what a step of 1 does
+    ridge = H200_FLOPS / H200_BANDWIDTH  # rows at which a row's arithmetic matches reading its share of weights
+    assert price.step_seconds(0, math.floor(ridge), 0) == one < price.step_seconds(0, math.ceil(ridge), 0)

@@ -35,11 +35,7 @@ class CostModel(cost.CostModel):
 
     def __str__(self) -> str:
         """The coefficients in readable units, three significant digits."""
-        terms = [f"device {_ms(self.overhead)}/step", f"{_ms(self.per_prefill_token)}/prompt token",
-                 f"{_ms(self.per_decode_token)}/decode token", f"{_ms(self.per_kv_token)}/KV token read"]
-        device = " + ".join(terms)
-        if len(f"CostModel: {device};") > MAX_LINE:  # the KV term on a line of its own, so a notebook shows it whole
-            device = " + ".join(terms[:3]) + "\n           + " + terms[3]
+        device = self._roofline_terms() if self.roofline else self._added_terms()
         if not self.has_host_terms and not self.overlap:
             return f"CostModel: {device}"
         host = (f"host {_ms(self.host_overhead)}/step + {_ms(self.host_per_request)}/request + "
@@ -47,6 +43,19 @@ class CostModel(cost.CostModel):
         how = (f"overlapped: max(host, device) + {_ms(self.overlap_exposed)}" if self.overlap
                else "taking turns: host + device")
         return f"CostModel: {device};\n           {host};\n           {how}"
+
+    def _added_terms(self) -> str:
+        terms = [f"device {_ms(self.overhead)}/step", f"{_ms(self.per_prefill_token)}/prompt token",
+                 f"{_ms(self.per_decode_token)}/decode token", f"{_ms(self.per_kv_token)}/KV token read"]
+        device = " + ".join(terms)
+        if len(f"CostModel: {device};") > MAX_LINE:  # the KV term on a line of its own, so a notebook shows it whole
+            device = " + ".join(terms[:3]) + "\n           + " + terms[3]
+        return device
+
+    def _roofline_terms(self) -> str:
+        """The larger of the memory traffic and the arithmetic, each on a line of its own."""
+        return (f"device the larger of {_ms(self.overhead)}/step + {_ms(self.per_kv_token)}/KV token read\n"
+                f"           and {_ms(self.per_prefill_token)}/prompt token + {_ms(self.per_decode_token)}/decode token")
 
     @classmethod
     def load(cls, path) -> CostModel:

@@ -8,9 +8,12 @@ A decode step streams every weight from memory once, and every token processed c
     per token         = 2 × parameters / (tensor_parallel × peak FLOP/s)   (prompt and decode alike)
     per KV token read = KV bytes per token / (tensor_parallel × memory bandwidth)
 
+The GPU streams memory while it computes, so a step takes the larger of its memory traffic
+(weights and KV reads) and its arithmetic (`CostModel(roofline=True)`): a roofline.
+
 A small batch of a real model is weight-bound: on an H200 serving Llama 3.1 8B, reading the
-weights takes about 3.4 ms a step and one more row's arithmetic about 16 µs, so a step of
-8 costs about 3% more than a step of 1. `weight_bound_price()` is that price: the one the
+weights takes about 3.35 ms a step and one more row's arithmetic about 16 µs, so a step's
+rows are free until about 200 of them, when the arithmetic overtakes the weights' read. `weight_bound_price()` is that price: the one the
 lessons set beside this CPU's fitted price, so that a conclusion about cost says where it
 holds.
 
@@ -20,8 +23,8 @@ Invariants and limits, stated so nobody mistakes this for a measurement:
 
 - every figure is a published peak, and nothing is fitted or tuned; real kernels reach
   less, so a real step is slower, mostly for small batches;
-- the terms add where a real GPU overlaps memory traffic with compute (a roofline takes
-  the larger), so large steps are priced a little high;
+- a roofline is the best a step can do: real kernels overlap memory and arithmetic less
+  than perfectly, so near the ridge a real step costs more;
 - communication between GPUs, the host's work and activations are left out;
 - `kv_pool_tokens` is an upper bound: all memory beside the weights holds KV cache.
 """
@@ -83,7 +86,7 @@ def roofline_cost(model: Model, gpu: GPU, tensor_parallel: int = 1) -> CostModel
     bandwidth, flops = tensor_parallel * gpu.bandwidth, tensor_parallel * gpu.flops
     per_token = 2 * model.num_parameters / flops
     return CostModel(overhead=model.weight_bytes / bandwidth, per_prefill_token=per_token,
-                     per_decode_token=per_token, per_kv_token=model.kv_bytes_per_token / bandwidth)
+                     per_decode_token=per_token, per_kv_token=model.kv_bytes_per_token / bandwidth, roofline=True)
 
 
 def weight_bound_price(model: Model = LLAMA_3_1_8B, gpu: GPU = H200) -> CostModel:

@@ -31,8 +31,8 @@ GPU = "H200 (spec sheet)"  # Llama 3.1 8B on an H200, priced from published figu
 
 def two_prices(this_cpu: CostModel) -> dict[str, CostModel]:
     """This lab's engine's saved price on its CPU, and a weight-bound GPU's (an H200 serving
-    Llama 3.1 8B) from public figures, by name. The GPU's weight reads and arithmetic add,
-    where a roofline would take the larger: large steps come out a little dear."""
+    Llama 3.1 8B) from public figures, by name: a roofline, the larger of the step's memory
+    traffic and its arithmetic."""
     return {THIS_CPU: this_cpu, GPU: weight_bound_price()}
 
 

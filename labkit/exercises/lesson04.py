@@ -9,8 +9,9 @@ imports torch when it grades), as the lesson counts its own; q2 prices steps wit
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from labkit.analysis.cost_fit import CostModel
 from labkit.analysis.hardware import weight_bound_price
 from labkit.exercises.feedback import Question, correct, incorrect, real_number
 
@@ -82,26 +83,31 @@ class WeightBoundStep(Question):
     context: int
     answer_format = "a ratio, e.g. 1.5"
 
-    def seconds(self, rows: int, kv_terms: bool = True) -> float:
-        price = weight_bound_price()
+    def seconds(self, rows: int, kv_terms: bool = True, price: CostModel | None = None) -> float:
+        price = price or weight_bound_price()
         return price.step_seconds(0, rows, rows * self.context if kv_terms else 0)
 
     def expected(self) -> float:
         return self.seconds(self.rows) / self.seconds(1)
 
+    def ratio_of(self, **how) -> float:
+        return self.seconds(self.rows, **how) / self.seconds(1, **how)
+
     def grade(self, answer):
         ratio = real_number(answer, "ratio")
-        expected = self.expected()
+        expected, without_kv = self.expected(), self.ratio_of(kv_terms=False)
+        added = self.ratio_of(price=replace(weight_bound_price(), roofline=False))
         if math.isclose(ratio, expected, rel_tol=0.02):
-            without_kv = self.seconds(self.rows, kv_terms=False) / self.seconds(1, kv_terms=False)
             return correct(f"{expected:.2f}×: {1000 * self.seconds(self.rows):.2f} ms against "
                            f"{1000 * self.seconds(1):.2f} ms. Without the keys and values it would be "
-                           f"{without_kv:.2f}×: at {self.context:,} tokens of context the keys and values cost more "
-                           "than the rows' arithmetic, even where the weights dominate a small step.")
-        if math.isclose(ratio, self.seconds(self.rows, kv_terms=False) / self.seconds(1, kv_terms=False),
-                        rel_tol=0.02):
+                           f"{without_kv:.2f}×: the {self.rows} rows' arithmetic hides behind the weights' read, so "
+                           f"what grows is the {self.context:,} tokens of keys and values each row reads.")
+        if math.isclose(ratio, without_kv, rel_tol=0.02):
             return incorrect(f"{ratio:g}: that leaves out the keys and values each row reads: {self.context:,} "
                              "tokens of context per request, at the price's per_kv_token.")
+        if math.isclose(ratio, added, rel_tol=0.01):
+            return incorrect(f"{ratio:g} adds the arithmetic to the memory traffic. The GPU computes while it "
+                             "streams, so a step takes the larger of the two (price.roofline is True).")
         if math.isclose(ratio, self.rows, rel_tol=0.05):
             return incorrect(f"{ratio:g} would be {self.rows} separate steps. One step reads the weights once for "
                              "every row in it.")

@@ -12,6 +12,14 @@ Without overlap the two take turns, and a step takes host + device. With `overla
 the host prepares the next step while the device runs this one, so a step takes
 max(host, device) + overlap_exposed, the part of each step the loop cannot hide.
 
+With `roofline=True` the device streams memory while it computes, so its time is the larger
+of its memory traffic and its arithmetic rather than their sum (a roofline):
+
+    device = max(overhead + per_kv_token * kv, per_prefill_token * prefill + per_decode_token * decode)
+
+`overhead` is then the weights' read. A price from published GPU figures
+(`labkit.analysis.hardware`) is a roofline; a price fitted on this CPU adds its terms.
+
 The default coefficients are hand-set placeholders for a small model on a laptop CPU,
 with the host terms at zero (the device `overhead` then stands for every fixed cost);
 `lk.CostModel.fit` (`labkit.analysis.cost_fit`, a subclass that adds fitting, loading a
@@ -34,6 +42,7 @@ from labkit.checks import flag, number
 
 DEVICE_TERMS = ("overhead", "per_prefill_token", "per_decode_token", "per_kv_token")
 HOST_TERMS = ("host_overhead", "host_per_request", "host_per_token")
+FLAGS = ("overlap", "roofline")
 
 
 @dataclass(frozen=True)
@@ -50,12 +59,13 @@ class CostModel:
     host_per_token: float = 0.0  # s per token processed (prompt or decode): input ids, positions, slots
     overlap_exposed: float = 0.0  # s per step an overlapped loop cannot hide (only with overlap)
     overlap: bool = False  # whether the host prepares step t+1 while the device runs step t
+    roofline: bool = False  # whether the device's memory terms and arithmetic terms overlap (max, not sum)
 
     def __post_init__(self):
         for field in fields(self):
             value = getattr(self, field.name)
-            if field.name == "overlap":
-                flag("overlap", value)
+            if field.name in FLAGS:
+                flag(field.name, value)
             else:
                 number(field.name, value, or_equal=True)
 
@@ -67,7 +77,7 @@ class CostModel:
     def scaled(self, factor: float) -> CostModel:
         """Every time coefficient times `factor`: the same work on an implementation `factor` times slower."""
         number("factor", factor)
-        return replace(self, **{f.name: getattr(self, f.name) * factor for f in fields(self) if f.name != "overlap"})
+        return replace(self, **{f.name: getattr(self, f.name) * factor for f in fields(self) if f.name not in FLAGS})
 
     @cached_property
     def has_host_terms(self) -> bool:
@@ -76,14 +86,13 @@ class CostModel:
     def device_seconds(self, num_prefill_tokens, num_decode_tokens, num_kv_tokens):
         """Seconds of device work in one step; scalars give a float, arrays an array of the same shape."""
         if type(num_prefill_tokens) is type(num_decode_tokens) is type(num_kv_tokens) is int:  # the common case, cheaply
-            return (self.overhead + self.per_prefill_token * num_prefill_tokens
-                    + self.per_decode_token * num_decode_tokens + self.per_kv_token * num_kv_tokens)
-        seconds = (
-            self.overhead
-            + self.per_prefill_token * np.asarray(num_prefill_tokens, dtype=float)
-            + self.per_decode_token * np.asarray(num_decode_tokens, dtype=float)
-            + self.per_kv_token * np.asarray(num_kv_tokens, dtype=float)
-        )
+            memory = self.overhead + self.per_kv_token * num_kv_tokens
+            arithmetic = self.per_prefill_token * num_prefill_tokens + self.per_decode_token * num_decode_tokens
+            return max(memory, arithmetic) if self.roofline else memory + arithmetic
+        memory = self.overhead + self.per_kv_token * np.asarray(num_kv_tokens, dtype=float)
+        arithmetic = (self.per_prefill_token * np.asarray(num_prefill_tokens, dtype=float)
+                      + self.per_decode_token * np.asarray(num_decode_tokens, dtype=float))
+        seconds = np.maximum(memory, arithmetic) if self.roofline else memory + arithmetic
         return float(seconds) if seconds.ndim == 0 else seconds
 
     def host_seconds(self, num_requests, num_tokens):
@@ -145,14 +154,19 @@ class CostModel:
 
     def _decode_run_terms(self, num_requests: int, first_num_kv_tokens: int,
                           num_padded: int) -> tuple[float, float, float]:
-        """(floor, first, growth): step k of a decode run takes max(floor, first + growth * k) seconds."""
+        """(floor, first, growth): step k of a decode run takes max(floor, first + growth * k) seconds.
+
+        Only the KV reads grow; what does not grow (the host's work with overlap, the arithmetic
+        under a roofline) sets the floor."""
         num_rows = num_requests + num_padded
-        device = self.overhead + self.per_decode_token * num_rows + self.per_kv_token * first_num_kv_tokens
+        memory = self.overhead + self.per_kv_token * first_num_kv_tokens
+        arithmetic = self.per_decode_token * num_rows
         growth = self.per_kv_token * num_requests  # padded rows' contexts do not grow
         host = self.host_overhead + (self.host_per_request + self.host_per_token) * num_rows  # a token each
+        device_floor, device_first = (arithmetic, memory) if self.roofline else (0.0, memory + arithmetic)
         if self.overlap:
-            return host + self.overlap_exposed, device + self.overlap_exposed, growth
-        return 0.0, host + device, growth
+            return max(host, device_floor) + self.overlap_exposed, device_first + self.overlap_exposed, growth
+        return host + device_floor, host + device_first, growth
 
 
 def _run_total(terms: tuple[float, float, float], num_steps: int) -> float:
