@@ -106,14 +106,15 @@ def wait_until_serving(server: subprocess.Popen, url: str) -> None:
 
 
 @contextlib.contextmanager
-def serving(command: list[str], home: Path):
+def serving(command: list[str], home: Path, **env: str):
     """Run a Jupyter server with private runtime, config and data folders under `home` (so no
-    notebook is trusted yet) until the block ends; yields its base URL."""
+    notebook is trusted yet), and `env` added, until the block ends; yields its base URL."""
     port = free_port()
     private_dirs = {f"JUPYTER_{kind.upper()}_DIR": str(home / kind) for kind in ("runtime", "config", "data")}
     with (home / "server.log").open("w") as log:
         server = subprocess.Popen(
-            [*command, f"--port={port}"], env=dict(os.environ, **private_dirs), stdout=log, stderr=subprocess.STDOUT
+            [*command, f"--port={port}"], env=dict(os.environ, **private_dirs, **env), stdout=log,
+            stderr=subprocess.STDOUT,
         )
         try:
             url = f"http://127.0.0.1:{port}"
@@ -128,10 +129,10 @@ def serving(command: list[str], home: Path):
                 server.wait(timeout=15)
 
 
-def copy_of_the_lesson(tmp_path_factory, name: str) -> Path:
+def copy_of_the_lesson(tmp_path_factory, name: str, lesson: Path = LESSON) -> Path:
     home = tmp_path_factory.mktemp(name)
     (home / "notebooks").mkdir()
-    shutil.copy(LESSON, home / "notebooks")
+    shutil.copy(lesson, home / "notebooks")
     return home
 
 
@@ -160,12 +161,13 @@ def lab(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def voila(tmp_path_factory):
-    """Voilà (`make present`) serving a copy of lesson 01 as a dashboard."""
+    """Voilà (`make present`, with its template) serving a copy of lesson 01 as a dashboard."""
     if not (BIN / "voila").exists():
         pytest.skip("Voilà is not installed (`make present` installs the `present` extra)")
-    home = copy_of_the_lesson(tmp_path_factory, "voila")
-    command = [str(BIN / "voila"), str(home / "notebooks" / LESSON.name), "--no-browser", "--Voila.ip=127.0.0.1"]
-    with serving(command, home) as url:
+    home = copy_of_the_lesson(tmp_path_factory, "voila", ROOT / "notebooks" / LESSON.name)  # what it serves
+    command = [str(BIN / "voila"), str(home / "notebooks" / LESSON.name), "--template=labkit", "--no-browser",
+               "--Voila.ip=127.0.0.1"]
+    with serving(command, home, JUPYTER_PATH=str(ROOT / "present")) as url:
         yield url
 
 
@@ -273,6 +275,18 @@ def test_voila_serves_the_lesson_with_a_live_stepper(voila, page):
     wait_for_counters(page, FINAL_COUNTERS)
     page.locator(".labkit-play").scroll_into_view_if_needed()
     screenshot(page, "voila-lesson-01")
+
+
+def test_voila_keeps_each_run_that_answers_a_prediction_behind_a_reveal(voila, page):
+    page.goto(voila)
+    wait_for_counters(page, FINAL_COUNTERS)  # every cell has run
+    reveals = page.locator("details.labkit-answer")
+    sync_api.expect(reveals).to_have_count(2)  # lesson 01's two predictions answered by a run
+    first_run = reveals.first.locator(".jp-OutputArea")
+    sync_api.expect(first_run).to_be_hidden()
+    sync_api.expect(page.get_by_text("23 iterations, 32 tokens")).to_be_hidden()  # the answer, not on screen
+    reveals.first.locator("summary").click()
+    sync_api.expect(first_run).to_contain_text("Static(num_slots=2)      23 iterations")
 
 
 # The HTML export, with no kernel and no network ------------------------------------------------------

@@ -42,6 +42,17 @@ def test_an_indented_region_goes_with_its_markers():
     compile(stripped, "cell", "exec")
 
 
+def test_the_runs_that_answer_a_prediction_are_tagged_for_the_reveal():
+    cells = [nbformat.v4.new_markdown_cell("**Predict** how many steps."), nbformat.v4.new_code_cell("run()"),
+             nbformat.v4.new_code_cell("plot()"), nbformat.v4.new_markdown_cell("<details>17</details>"),
+             nbformat.v4.new_code_cell("more()"), nbformat.v4.new_markdown_cell("Predicted? No prompt here."),
+             nbformat.v4.new_code_cell("other()")]
+    make_student.tag_answering_runs(cells)
+    make_student.tag_answering_runs(cells)  # a second pass adds nothing
+    assert [cell.metadata.get("tags") for cell in cells] == [
+        None, ["labkit-answer"], ["labkit-answer"], None, None, None, None]
+
+
 def test_code_without_markers_is_unchanged():
     assert make_student.strip_solutions("x = 1\n\ny = 2") == "x = 1\n\ny = 2"
 

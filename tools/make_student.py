@@ -13,9 +13,15 @@ stub before it (`answer = None`) is what the student starts from. Every code cel
 and execution count are cleared: a learner predicts, then runs the cell, and an output
 saved in the copy would answer the prediction before it is made. The instructor copies
 keep their outputs, for teachers and for reading online. Widget state is dropped.
+
+Voilà (`make present`) runs every cell before it shows the page, so the code cells between a
+markdown cell that asks to **Predict** and the next markdown cell (the runs whose output
+answers the prediction) are tagged "labkit-answer"; the template in present/ puts them
+behind a reveal, as JupyterLab shows the lesson's own answers.
 """
 
 import copy
+import re
 import sys
 from pathlib import Path
 
@@ -26,6 +32,8 @@ SOLUTIONS_DIR = ROOT / "solutions"
 STUDENT_DIR = ROOT / "notebooks"
 BEGIN = "### BEGIN SOLUTION"
 END = "### END SOLUTION"
+PROMPT = re.compile(r"\bPredict\b")  # as tests/test_lesson_rules.py finds a prediction
+ANSWER_TAG = "labkit-answer"
 
 
 def strip_solutions(source: str) -> str:
@@ -62,8 +70,21 @@ def student_copy(notebook):
             raise ValueError(f"cell {index}: {error}") from None
         cell.outputs = []
         cell.execution_count = None
+    tag_answering_runs(student.cells)
     student.metadata.pop("widgets", None)
     return student
+
+
+def tag_answering_runs(cells) -> None:
+    """Tag the code cells after a Predict prompt, up to the next markdown cell, as answers."""
+    after_prompt = False
+    for cell in cells:
+        if cell.cell_type == "markdown":
+            after_prompt = bool(PROMPT.search(cell.source))
+        elif after_prompt:
+            tags = cell.metadata.setdefault("tags", [])
+            if ANSWER_TAG not in tags:
+                tags.append(ANSWER_TAG)
 
 
 def main(paths: list[str]) -> None:
