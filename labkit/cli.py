@@ -112,9 +112,12 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     demo_parser.add_argument("--no-progress", action="store_true", help="hide the engine's progress bars")
     export_parser = commands.add_parser(
         "export-html", help="write a lesson as one HTML page whose figures play with no network",
-        description="Export NOTEBOOK to OUTPUT as `jupyter nbconvert --to html` does, with plotly.js inlined once.",
+        description="Export NOTEBOOK to OUTPUT as `jupyter nbconvert --to html` does, with every stored plotly "
+                    "figure drawn and plotly.js inlined once.",
     )
-    export_parser.add_argument("notebook", help="the lesson, e.g. notebooks/01_static_vs_continuous.ipynb")
+    export_parser.add_argument(
+        "notebook", help="a lesson that stores its outputs, e.g. solutions/01_static_vs_continuous.ipynb"
+    )
     export_parser.add_argument("output", help="the HTML file to write")
     serve_parser = add_serve_parser(commands)
     replay_parser = add_replay_parser(commands)

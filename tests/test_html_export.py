@@ -9,6 +9,7 @@ import json
 import re
 from pathlib import Path
 
+import nbformat
 import pytest
 from nbconvert import HTMLExporter
 from plotly.offline import get_plotlyjs
@@ -64,20 +65,47 @@ def test_the_export_has_the_slider_and_the_play_button(html):
     assert '"label":"\\u25b6","method":"animate"' in figure_call
 
 
+def stored_figures(path: Path) -> int:
+    """How many outputs of the notebook at `path` hold a plotly figure."""
+    notebook = json.loads(path.read_text(encoding="utf-8"))
+    return sum("application/vnd.plotly.v1+json" in output.get("data", {})
+               for cell in notebook["cells"] if cell["cell_type"] == "code" for output in cell["outputs"])
+
+
 def test_the_offline_export_holds_plotly_js_once_and_no_cdn_tag_for_it(offline, html):
     page = offline.read_text(encoding="utf-8")
     assert not PLOTLY_SCRIPT.search(page)
     assert page.count(get_plotlyjs()) == 1
-    (tag,) = re.findall(PLOTLY_SCRIPT.pattern + r"[^>]*></script>", html)
-    assert page == html.replace(tag, f"<script>{get_plotlyjs()}</script>")  # nothing else changed
     assert added_frames(page) == added_frames(html)
 
 
-def test_a_notebook_with_nothing_to_inline_is_refused(tmp_path):
+def test_the_offline_export_draws_every_stored_figure(offline, html):
+    page = offline.read_text(encoding="utf-8")
+    assert page.count("Plotly.newPlot(") == stored_figures(LESSON) > 1
+    assert html.count("Plotly.newPlot(") == 1  # negative control: nbconvert alone draws the animation only
+
+
+def test_a_lesson_with_figures_in_plotly_s_mime_type_only_is_drawn_too(tmp_path):
     lesson_02 = NOTEBOOKS / "02_how_much_it_buys.ipynb"  # plotly mime outputs only, no CDN tag
-    with pytest.raises(ValueError, match="02_how_much_it_buys.ipynb.*no output loads plotly.js"):
-        export_offline_html(lesson_02, tmp_path / "lesson02.html")
-    assert not (tmp_path / "lesson02.html").exists()
+    page = export_offline_html(lesson_02, tmp_path / "lesson02.html").read_text(encoding="utf-8")
+    assert page.count("Plotly.newPlot(") == stored_figures(lesson_02) > 0
+    assert page.count(get_plotlyjs()) == 1
+
+
+def test_a_student_copy_is_refused_with_the_copy_that_keeps_outputs(tmp_path):
+    student = NOTEBOOKS.parent / "notebooks" / LESSON.name
+    with pytest.raises(ValueError, match=r"stores no outputs .* export the instructor copy, solutions/01_static"):
+        export_offline_html(student, tmp_path / "lesson01.html")
+    assert not (tmp_path / "lesson01.html").exists()
+
+
+def test_a_notebook_without_figures_is_refused(tmp_path):
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("print(1)")])
+    notebook.cells[0].outputs = [nbformat.v4.new_output("stream", name="stdout", text="1\n")]
+    path = tmp_path / "plain.ipynb"
+    nbformat.write(notebook, path)
+    with pytest.raises(ValueError, match="plain.ipynb.*no output holds a plotly figure"):
+        export_offline_html(path, tmp_path / "plain.html")
 
 
 @pytest.mark.browser
@@ -98,6 +126,7 @@ def test_the_offline_export_plays_with_every_request_refused(offline, html, tmp_
         sync_api.expect(titles.first).to_contain_text("step 23 of 23", timeout=60_000)
         page.locator(".updatemenu-button").first.click()  # ▶
         sync_api.expect(titles.first).to_contain_text("step 3 of 23", timeout=60_000)
+        sync_api.expect(page.locator(".js-plotly-plot")).to_have_count(stored_figures(LESSON))  # every one drawn
         browser.close()
     assert any("plot.ly" in url for url in refused), "the plain export asks the CDN"
     assert len([url for url in refused if "plot.ly" in url]) == 1, "the offline export must not"

@@ -5,8 +5,9 @@ plotly.js runs (an HTML export, nbviewer, a Jupyter front end before any cell ha
 so the A–H lesson still moves where an ipywidget such as `ScheduleStepper` cannot.
 `show_anywhere` displays it in a form each of those front ends draws. Its HTML loads
 plotly.js from plotly's CDN, since 4.8 MB of it in every notebook is too much;
-`export_offline_html` writes an HTML export that carries plotly.js once and so plays with
-no network.
+`export_offline_html` writes an HTML export that carries plotly.js once, draws every plotly
+figure the notebook stores (nbconvert alone draws only those `show_anywhere` displayed) and
+so plays with no network.
 
 Invariants:
 
@@ -16,7 +17,8 @@ Invariants:
 - the figure itself shows the last frame: every schedule whole;
 - a frame holds only what changes: bar lengths, bar texts and the diagram titles;
 - an offline export asks no server for plotly.js: it holds plotly.js once, inline, in place
-  of the first CDN script tag, and no other CDN tag for it.
+  of the first CDN script tag, and no other CDN tag for it; it draws each stored plotly
+  figure once.
 """
 
 from __future__ import annotations
@@ -66,19 +68,37 @@ def show_anywhere(fig: go.Figure) -> None:
 
 def export_offline_html(notebook: str | Path, target: str | Path) -> Path:
     """Write `notebook` to `target` as one HTML page, as `jupyter nbconvert --to html` does, but
-    with plotly.js inlined once in place of its CDN script tags: the figures `show_anywhere`
-    displayed then play with no network. The page is about 4.8 MB larger."""
+    with every stored plotly figure drawn and plotly.js inlined once in place of its CDN script
+    tags: the figures play with no network. The page is about 4.8 MB larger."""
     from nbconvert import HTMLExporter  # comes with JupyterLab; labkit itself does not need it
 
-    html = HTMLExporter().from_filename(str(notebook))[0]
+    html = HTMLExporter().from_notebook_node(_with_figures_drawn(notebook))[0]
     tags = list(PLOTLY_CDN_SCRIPT.finditer(html))
     if not tags:
-        raise ValueError(f"notebook = {str(notebook)!r}: no output loads plotly.js from its CDN, so nothing to inline")
+        raise ValueError(f"notebook = {str(notebook)!r}: no output holds a plotly figure, so nothing to draw")
     inline = f"<script>{get_plotlyjs()}</script>"
     offline = html[: tags[0].start()] + inline + PLOTLY_CDN_SCRIPT.sub("", html[tags[0].end() :])
     target = Path(target)
     target.write_text(offline, encoding="utf-8")
     return target
+
+
+def _with_figures_drawn(path: str | Path):
+    """The notebook at `path`, each plotly output without HTML given `kernel_free_bundle`'s HTML;
+    a notebook that stores no outputs (a student copy) is refused, naming the copy that does."""
+    import nbformat
+
+    notebook = nbformat.read(str(path), as_version=4)
+    outputs = [output for cell in notebook.cells if cell.cell_type == "code" for output in cell.outputs]
+    if not outputs:
+        raise ValueError(f"notebook = {str(path)!r} stores no outputs (the lessons in notebooks/ are saved unrun): "
+                         f"export the instructor copy, solutions/{Path(path).name}, or run it and save it first")
+    for output in outputs:
+        data = output.get("data", {})
+        if "application/vnd.plotly.v1+json" in data and "text/html" not in data:
+            figure = go.Figure(data["application/vnd.plotly.v1+json"])
+            data["text/html"] = kernel_free_bundle(figure)["text/html"]
+    return notebook
 
 
 def _counters(logs, step: int) -> list[str]:
