@@ -17,6 +17,7 @@ import labkit as lk
 from labkit.exercises import PolicyError, as_policy, q1, q2, q3, q4, q5, q6
 from labkit.exercises.feedback import CORRECT, INCORRECT, NOT_ATTEMPTED, WIDTH, Verdict, wrap
 from labkit.exercises.policy import admit_newest_first, grading_cases, refill_a_step_late
+from labkit.sched.policy import Continuous
 from labkit.exercises.predict import IterationCounts
 
 QUESTIONS = [q1, q2, q3, q4, q5, q6]
@@ -88,8 +89,37 @@ def test_q5_expects_the_fastest_budget_within_the_itl_target():
 
     results = {budget: measured(budget) for budget in q5.budgets}
     meeting = [b for b in q5.budgets if results[b][0] <= q5.itl_p99_target_ms]
-    assert q5.expected() == max(meeting, key=lambda b: results[b][1])
+    fastest = max(meeting, key=lambda b: results[b][1])
+    assert q5.expected() == fastest == 256
+    assert all(results[b][1] < 0.99 * results[fastest][1] for b in meeting if b != fastest)  # no tie decides it
     assert min(meeting) < q5.expected() < max(q5.budgets)  # neither end of the list: the question has a trade-off
+
+
+def _row(itl, throughput):
+    return {"ITL p99 (ms)": itl, "tokens/s": throughput}
+
+
+@pytest.mark.parametrize("sweep, picked", [
+    ({64: _row(10, 100), 128: _row(20, 200), 256: _row(30, 201), 512: _row(50, 300)}, 128),  # 0.5%: a tie
+    ({64: _row(10, 100), 128: _row(20, 200), 256: _row(30, 203), 512: _row(50, 300)}, 256),  # 1.5%: no tie
+    ({64: _row(10, 100), 128: _row(20, 199), 256: _row(30, 200), 512: _row(50, 300)}, 128),
+    ({64: _row(41, 100), 128: _row(50, 200)}, None),  # nothing meets 40 ms
+])
+def test_q5_picks_the_most_tokens_per_second_ties_to_the_smaller_budget(sweep, picked):
+    assert q5.pick(sweep) == picked
+
+
+def test_q5_measures_its_load_against_what_the_budget_serves():
+    row = q5.measure(512)
+    trace = q5.trace
+    rate = (len(trace) - 1) / (trace.arrivals.max() - trace.arrivals.min())
+    backlog = lk.simulate(trace.backlogged(), q5.policy(512), cost=lk.CostModel())
+    assert row["load"] == pytest.approx(rate * backlog.duration / len(trace))
+    assert row["load"] > 1.2  # the trace arrives faster than the server serves it
+    log = lk.simulate(trace, q5.policy(512), cost=lk.CostModel())
+    assert row["TTFT p50 (s)"] == pytest.approx(np.median(log.ttft))
+    assert row["ITL p50 (ms)"] == pytest.approx(1000 * np.median(lk.metrics.itl(log)))
+    assert row["steps with prompt"] == pytest.approx((log.num_prefill_tokens > 0).mean())
 
 
 # Verdicts
@@ -99,7 +129,8 @@ RIGHT_ANSWERS = [
     (q1, lambda: q1.expected()),
     (q1, lambda: list(map(float, q1.expected()))),
     (q2, lambda: q2.expected()),
-    (q2, lambda: round(q2.expected(), 2)),
+    (q2, lambda: round(q2.expected(), 3)),
+    (q2, lambda: 29.6),
     (q2, lambda: 100 * q2.expected()),
     (q3, lambda: ("Q", 3)),
     (q3, lambda: ("q", "3")),
@@ -134,6 +165,11 @@ def _wrong_answers():
         (q2, 1 / 16, "one request did all the work"),
         (q2, lk.theory.exponential_utilization(8), "batches of 8"),
         (q2, 0.5, "E[max of B] = H_B"),
+        (q2, 1 / math.log(16), "that is 1/ln 16"),
+        (q2, 100 / math.log(16), "that is 1/ln 16"),
+        (q2, 1 / (math.log(16) + 0.5772156649), "from H_B ≈ ln B + γ"),
+        (q2, 0.3, "give three decimals"),
+        (q2, 30, "give three decimals"),
         (q2, -0.3, "between 0 and 1"),
         (q3, ("P", 3), "right idea"),
         (q3, ("P", 1), "not what the gain depends on"),
@@ -371,6 +407,34 @@ def test_the_reference_passes_in_the_simulator():
     assert q6.on_simulator(reference_refill)
 
 
+def delegates_to_the_reference(state):
+    """A spy that passes lk.Continuous's own decision on: it would copy the answer it is graded against."""
+    decision = lk.Continuous(num_slots=state.num_slots).schedule(state)
+    return lk.Decision(release=decision.release, admit=decision.admit)
+
+
+def test_a_refill_that_asks_the_reference_fails_with_a_clear_message():
+    # negative control: outside grading, the spy schedules every case exactly as lk.Continuous does
+    for trace, num_slots in grading_cases():
+        assert np.array_equal(lk.simulate(trace, as_policy(delegates_to_the_reference, num_slots)).slots,
+                              lk.simulate(trace, lk.Continuous(num_slots=num_slots)).slots)
+    schedule, fill = Continuous.schedule, Continuous.fill
+    for verdict in (q6.verdict(delegates_to_the_reference), q6.on_engine(delegates_to_the_reference)):
+        assert verdict.status == INCORRECT and "withheld while grading" in verdict.message
+    assert Continuous.schedule is schedule and Continuous.fill is fill  # restored after grading
+    assert lk.simulate(lk.Trace.toy(), lk.Continuous(num_slots=2)).num_steps == 17
+
+
+def test_a_refill_that_asks_a_policy_built_on_the_reference_fails_too():
+    from labkit.sched.ordered import Priority
+
+    def asks_priority(state):
+        decision = Priority(num_slots=state.num_slots, preempt_for_waiting=False).schedule(state)
+        return lk.Decision(release=decision.release, admit=decision.admit)
+
+    assert "withheld while grading" in q6.on_simulator(asks_priority).message
+
+
 def test_the_reference_passes_on_the_engine_and_a_wrong_one_fails():
     passed = q6.on_engine(reference_refill)
     assert passed and "the same slots and the same" in passed.message
@@ -472,6 +536,13 @@ def test_a_missing_return_is_told_from_an_empty_body():
     forgot = q6.verdict(forgets_return)
     assert forgot.status == INCORRECT and "forget `return`" in forgot.message
     assert q6.verdict(refill_stub).status == NOT_ATTEMPTED  # the empty body: not attempted, as before
+
+
+def test_q2_is_graded_to_the_third_decimal():
+    exact = 1 / sum(1 / k for k in range(1, 17))  # 0.29579...
+    assert q2.verdict(exact + 0.0015) and q2.verdict(exact - 0.0015)
+    assert not q2.verdict(exact + 0.0025) and not q2.verdict(exact - 0.0025)
+    assert not q2.verdict(0.3) and not q2.verdict(0.29)
 
 
 def test_q2_names_the_expectation_of_the_ratio():

@@ -14,13 +14,16 @@ Invariants:
 - grading compares slot occupancy and finish steps, step by step, with `lk.Continuous`
   on seeded traces from `GRADING_SEED`, then slots and tokens on a tiny engine (fp32,
   CPU), which asks the policy before every step; torch is imported only then;
-- an answer that is a known mistake (newest first, refilling a step late) is named as such.
+- an answer that is a known mistake (newest first, refilling a step late) is named as such;
+- while the answer runs, `lk.Continuous` refuses to decide (`withholding_the_reference`): a
+  refill that asks the schedule it is graded against is told so, and the class is restored.
 """
 
 from __future__ import annotations
 
 import numbers
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -55,6 +58,33 @@ class NoDecision(PolicyError):
     def __init__(self, message: str, at_start: bool):
         super().__init__(message)
         self.at_start = at_start
+
+
+class AskedTheReference(PolicyError):
+    """refill asked lk.Continuous to decide while it was being graded against it."""
+
+
+_REFERENCE_METHODS = ("schedule", "fill", "admit_waiting")  # lk.Continuous's ways to a Decision
+
+
+@contextmanager
+def withholding_the_reference() -> Iterator[None]:
+    """While the block runs, lk.Continuous (and every policy built on it) refuses to decide:
+    a refill that delegates to it would copy the schedule it is graded against."""
+
+    def refuse(policy, *args, **kwargs):
+        raise AskedTheReference(f"refill asked {type(policy).__name__} to decide: lk.Continuous is the schedule "
+                                "yours is graded against, so it is withheld while grading. Release and admit the "
+                                "requests yourself, from state")
+
+    saved = {name: Continuous.__dict__[name] for name in _REFERENCE_METHODS}
+    try:
+        for name in _REFERENCE_METHODS:
+            setattr(Continuous, name, refuse)
+        yield
+    finally:
+        for name, method in saved.items():
+            setattr(Continuous, name, method)
 
 
 @dataclass(frozen=True)
@@ -253,7 +283,8 @@ class RefillStep(Question):
         for index, (trace, num_slots) in enumerate(grading_cases()):
             where = f"On grading case {index} ({len(trace)} requests, {num_slots} slots; q6.case({index}))"
             try:
-                mine = simulate(trace, as_policy(refill, num_slots))
+                with withholding_the_reference():
+                    mine = simulate(trace, as_policy(refill, num_slots))
             except Exception as error:
                 return self._run_failure(error, where, refill)
             reference = simulate(trace, Continuous(num_slots=num_slots))
@@ -270,7 +301,8 @@ class RefillStep(Question):
         trace = trace.backlogged()  # the engine's clock is measured: with arrivals, its schedule would follow its speed
         where = f"On the engine (grading case 0, all {len(trace)} requests waiting at t = 0, {num_slots} slots)"
         try:
-            mine = engine.run(trace, as_policy(refill, num_slots), progress=False)
+            with withholding_the_reference():
+                mine = engine.run(trace, as_policy(refill, num_slots), progress=False)
         except Exception as error:
             return self._run_failure(error, where, refill)
         reference = engine.run(trace, Continuous(num_slots=num_slots), progress=False)
