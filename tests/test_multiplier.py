@@ -15,6 +15,7 @@ import labkit as lk
 from labkit.sched.blocks import num_blocks_for
 from labkit.engine import Engine, ModelConfig
 from labkit.analysis.multiplier import KINDS, Memory, Multiplier, memory_first, predict, take_apart
+from labkit.viz.multiplier import MARKER_OFFSET
 
 TOY = lk.Trace.from_lengths([2, 6, 3, 8, 2, 4, 5, 2])
 TOY_MEMORY = Memory(pool_tokens=16, reserve_tokens=8, max_slots=8, block_size=1)  # B0 = 2; the paged pool holds 16
@@ -388,18 +389,38 @@ def test_the_bars_stack_log_factors_to_each_total_and_star_only_published_names(
     fig = lk.viz.multiplier_bars(ms, published={"toy": 24.0})
     bars = [t for t in fig.data if t.type == "bar"]
     assert [bar.name for bar in bars] == list(KINDS)
+    assert list(fig.layout.xaxis.ticktext) == list(ms) and list(fig.layout.xaxis.tickvals) == [0, 1]
     for i, (name, m) in enumerate(ms.items()):
-        assert [bar.x[i] for bar in bars] == [name] * len(KINDS)
+        assert [bar.x[i] for bar in bars] == [i] * len(KINDS)
         assert [bar.y[i] for bar in bars] == pytest.approx([math.log10(m.factor(kind)) for kind in KINDS], abs=1e-12)
         assert sum(bar.y[i] for bar in bars) == pytest.approx(math.log10(m.total), abs=1e-12)
     total, = (t for t in fig.data if t.name == "total")
     assert list(total.y) == pytest.approx([math.log10(m.total) for m in ms.values()])
     star, = (t for t in fig.data if t.name == "published")
-    assert list(star.x) == ["toy"] and list(star.y) == pytest.approx([math.log10(24.0)])
+    assert list(star.y) == pytest.approx([math.log10(24.0)])
+    # the diamond left of its bar, the star right of it: apart, and each clear of the bar
+    half = bars[0].width / 2
+    assert list(total.x) == pytest.approx([i - MARKER_OFFSET for i in range(len(ms))])
+    assert list(star.x) == pytest.approx([0 + MARKER_OFFSET]) and MARKER_OFFSET > half
     assert fig.layout.barmode == "relative"
     unpublished = lk.viz.multiplier_bars(ms)
     assert "published" not in [t.name for t in unpublished.data]
     assert len(unpublished.data) == len(KINDS) + 1
+
+
+def test_the_bars_take_a_recorded_run_s_factors_by_kind():
+    m = predict(TOY, TOY_BELOW, COST, {"hf": COST.scaled(3)})
+    recorded = {kind: m.factor(kind) for kind in KINDS}
+    from_run, from_factors = (lk.viz.multiplier_bars({"x": given}) for given in (m, recorded))
+    assert [y for t in from_factors.data for y in t.y] == pytest.approx([y for t in from_run.data for y in t.y],
+                                                                        abs=1e-12)
+    left_out = lk.viz.multiplier_bars({"x": {"refill": 2.0, "memory": 3.0}})
+    total, = (t for t in left_out.data if t.name == "total")
+    assert list(total.y) == pytest.approx([math.log10(6.0)])  # a kind left out is 1
+    with pytest.raises(ValueError, match=r"multipliers\['x'\].*'paging'.*no kind of factor"):
+        lk.viz.multiplier_bars({"x": {"paging": 2.0}})
+    with pytest.raises(ValueError, match=r"multipliers\['x'\].*'refill': 0"):
+        lk.viz.multiplier_bars({"x": {"refill": 0}})
 
 
 def test_memory_first_takes_the_other_order_to_the_same_product():
