@@ -15,6 +15,10 @@ import labkit as lk
     ((5.6, 4.0), False, "end-to-end latency"),
     ((8.8, 4.2), False, "one slot"),
     ((1, 1), False, "is not it. Draw 2 rows"),
+    ((3.6, 2.4), False, "first come first served is right; the mean TTFT shortest first is not. Shortest first "
+                        "sorts the waiting queue"),
+    ((3.0, 2.0), False, "shortest first is right; the mean TTFT first come first served is not. First come "
+                        "first served takes the queue in arrival order"),
     ((3.6,), False, "expected (mean TTFT"),
     (("3.6", 2.0), False, "without quotes"),
     ((float("nan"), 2.0), False, "not a finite number"),
@@ -51,3 +55,10 @@ def test_q9_hint_and_solution_print(capsys):
     assert "Draw 2 rows" in out
     assert "first come first served: TTFTs 1, 1, 2, 7, 7 steps, mean 3.6" in out
     assert "shortest first: TTFTs 4, 1, 2, 2, 1 steps, mean 2" in out
+
+
+def test_a_half_right_pair_is_told_which_half_by_default():
+    from labkit.exercises import q7  # OverlapStep gives no half_hint of its own: the hint stands in
+
+    verdict = q7.check((10, 5))
+    assert not verdict and "ms without overlap is right; ms with overlap is not. Without overlap" in str(verdict)

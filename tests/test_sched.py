@@ -487,9 +487,11 @@ def test_preempt_for_waiting_must_be_true_or_false():
 @pytest.mark.parametrize("noise", [0.0, 1.0])
 def test_shortest_predicted_first_admits_in_order_of_prediction(noise):
     trace = lk.Trace.from_lengths([5, 3, 9, 1, 3])
-    log = lk.simulate(trace, lk.ShortestPredictedFirst(num_slots=1, noise=noise, seed=3))
+    policy = lk.ShortestPredictedFirst(num_slots=1, noise=noise, seed=3)
+    log = lk.simulate(trace, policy)
     predicted = [length * np.exp(noise * np.random.default_rng([3, rid]).standard_normal())
                  for rid, length in zip(trace.ids, trace.output_lengths)]
+    assert policy.predicted_lengths(trace).tolist() == pytest.approx(predicted)  # what the queue is sorted by
     by_prediction = sorted(range(len(trace)), key=lambda i: (predicted[i], i))  # ties: first come
     assert np.argsort(log.admit_step).tolist() == by_prediction
     assert by_prediction == ([3, 1, 4, 0, 2] if noise == 0 else [3, 4, 1, 2, 0])

@@ -98,6 +98,21 @@ def test_gain_table_gives_the_share_of_the_first_runs_gain_each_run_keeps(logs):
         gain_table({}, logs["FCFS"])
 
 
+def test_gain_table_gives_a_range_over_several_runs_of_one_name(logs):
+    noisy = [lk.simulate(logs["SPF"].trace, lk.ShortestPredictedFirst(num_slots=2, noise=1.0, seed=seed),
+                         step_time=1.0) for seed in (0, 1, 2)]
+    lines = gain_table({"0": logs["SPF"], "1": noisy}, logs["FCFS"]).splitlines()
+    fcfs, perfect = np.mean(logs["FCFS"].ttft), np.mean(logs["SPF"].ttft)
+    means = [np.mean(log.ttft) for log in noisy]
+    kept = [(fcfs - mean) / (fcfs - perfect) for mean in means]
+    assert len(set(means)) > 1  # the seeds differ, so each cell is a range
+    assert lines[3].split()[1] == f"{min(means):,.2f}–{max(means):,.2f}"
+    assert lines[3].split()[-1] == f"{min(kept):.0%}–{max(kept):.0%}"
+    assert lines[2].split()[1:] == gain_table({"0": [logs["SPF"]]}, logs["FCFS"]).splitlines()[2].split()[1:]
+    with pytest.raises(ValueError, match="runs\\['1'\\] = \\[\\]"):
+        gain_table({"0": logs["SPF"], "1": []}, logs["FCFS"])
+
+
 # ttft_waiting -------------------------------------------------------------------------------
 
 

@@ -5,7 +5,8 @@ shortest predicted first) on the same requests. `labkit.viz.ordering` draws the 
 - `group_table`: TTFT and latency of chosen groups of requests (a priority class, the
   longest outputs) in each run;
 - `gain_table`: TTFT of several runs (noise levels, say), and how much of the first run's
-  gain in mean TTFT over a reference each one keeps;
+  gain in mean TTFT over a reference each one keeps; a run may be several (seeds), given
+  as a range;
 - `length_bins`: groups of requests of about equal size by output length.
 
 Invariants: every number comes from StepLogs (their requests' `ttft`, `latency` and token
@@ -83,22 +84,35 @@ def group_table(logs: dict[str, StepLog], groups: dict[str, np.ndarray]) -> str:
     return metrics.format_table(["run, group", *GROUP_COLUMNS], rows) + "\n(times in s)"
 
 
-def gain_table(runs: dict[str, StepLog], reference: StepLog, reference_name: str = "FCFS") -> str:
+def gain_table(runs: dict[str, StepLog | list[StepLog]], reference: StepLog, reference_name: str = "FCFS") -> str:
     """A plain-text table of TTFT mean, p50 and p99 (s): the reference first, then each run,
     with the share of the first run's gain in mean TTFT over the reference that each run keeps,
-    (reference - run) / (reference - first run): the first keeps 100%, the reference 0%."""
+    (reference - run) / (reference - first run): the first keeps 100%, the reference 0%. A run
+    may be a list of runs (one per seed, say): its cells then give their range, "lowest–highest";
+    the first run's gain is then its runs' mean."""
     if not runs:
         raise ValueError("runs = {}: give at least one run to tabulate")
+    empty = [name for name, run in runs.items() if isinstance(run, list) and not run]
+    if empty:
+        raise ValueError(f"runs[{empty[0]!r}] = []: give at least one run for each name")
+    as_lists = {name: run if isinstance(run, list) else [run] for name, run in runs.items()}
     base = statistic(reference.ttft, "mean")
-    gain = base - statistic(next(iter(runs.values())).ttft, "mean")
+    gain = base - float(np.mean([statistic(log.ttft, "mean") for log in next(iter(as_lists.values()))]))
     rows = []
-    for name, log in {reference_name: reference, **runs}.items():
-        mean = statistic(log.ttft, "mean")
-        kept = f"{(base - mean) / gain:.0%}" if gain else "-"
-        rows.append([name, *(f"{statistic(log.ttft, stat):,.2f}" for stat in ("mean", "p50", "p99")), kept])
+    for name, logs in {reference_name: [reference], **as_lists}.items():
+        means = [statistic(log.ttft, "mean") for log in logs]
+        kept = _span([(base - mean) / gain for mean in means], "{:.0%}") if gain else "-"
+        rows.append([name, *(_span([statistic(log.ttft, stat) for log in logs], "{:,.2f}")
+                             for stat in ("mean", "p50", "p99")), kept])
     return metrics.format_table(["run", "TTFT mean", "TTFT p50", "TTFT p99", "mean gain kept"], rows) + (
         f"\n(TTFT in s; mean gain kept: ({reference_name} - the run) / ({reference_name} - the first run), "
         "in mean TTFT)")
+
+
+def _span(values: list[float], fmt: str) -> str:
+    """One value, or the range of several: "lowest–highest"."""
+    low, high = fmt.format(min(values)), fmt.format(max(values))
+    return low if low == high else f"{low}–{high}"
 
 
 def group_mask(log: StepLog, chosen) -> np.ndarray:

@@ -104,7 +104,8 @@ class Question:
 class NumberPair(Question):
     """A question answered by two numbers, each right within `tolerance`. A subclass names
     them (`names`) and gives `expected()`, `praise()` (what a right answer is told) and
-    `mistakes()`: (pair, message) for each known wrong answer."""
+    `mistakes()`: (pair, message) for each known wrong answer. An answer with one number
+    right is told which, and `half_hint(wrong)` for the other."""
 
     names = ("the first number", "the second number")
     tolerance = 0.0
@@ -117,10 +118,20 @@ class NumberPair(Question):
         for candidate, message in self.mistakes():
             if self._near(answered, candidate):
                 return incorrect(f"{answered}: {message}")
+        right = [self._near((a,), (e,)) for a, e in zip(answered, self.expected())]
+        if any(right):  # one of the two: say which, and what to look at again for the other
+            wrong = right.index(False)
+            return incorrect(f"{answered}: {self.names[1 - wrong]} is right; {self.names[wrong]} is not. "
+                             f"{self.half_hint(wrong)}")
         return incorrect(f"{answered} is not it. {self.hint_text()}")
 
     def _near(self, answered, target) -> bool:
         return all(math.isclose(a, t, abs_tol=self.tolerance) for a, t in zip(answered, target))
+
+    def half_hint(self, wrong: int) -> str:
+        """What to look at again when only the number at index `wrong` (0 or 1) is off: the hint,
+        unless a subclass knows better."""
+        return self.hint_text()
 
     def expected(self) -> tuple[float, float]:
         raise NotImplementedError

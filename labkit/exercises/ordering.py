@@ -73,6 +73,13 @@ class ShortestFirst(NumberPair):
                 "First come first served takes the queue in arrival order; shortest first sorts it by length "
                 "(ties by arrival). A request's TTFT is the step of its first token.")
 
+    def half_hint(self, wrong: int) -> str:
+        if wrong == 0:
+            return ("First come first served takes the queue in arrival order, A first: when a slot frees, the next "
+                    "letter in the alphabet takes it the step after, whichever slot it is.")
+        return ("Shortest first sorts the waiting queue by output length, ties by arrival, and takes from its front "
+                "each time a slot frees: fill the rows again in that order, counting each first token's step.")
+
     def solution_text(self) -> str:
         lines = []
         for name, log in zip(("first come first served", "shortest first"), self.runs()):

@@ -34,6 +34,7 @@ import numpy as np
 from labkit.checks import flag, number, whole_number
 from labkit.sched.policy import NO_BLOCKS, NO_SLOT, Continuous, StepPlan
 from labkit.sched.state import Decision, Request, SchedulerState
+from labkit.traffic import Trace
 
 
 @dataclass(frozen=True, repr=False)
@@ -104,8 +105,15 @@ class ShortestPredictedFirst(Continuous):
         whole_number("seed", self.seed, 0)
 
     def predicted_output_len(self, request: Request) -> float:
-        z = np.random.default_rng([self.seed, request.id]).standard_normal()
-        return request.output_len * math.exp(self.noise * z)
+        return self._predict(request.id, request.output_len)
+
+    def predicted_lengths(self, trace: Trace) -> np.ndarray:
+        """Each request's predicted output length, in the trace's order: what the queue is sorted by."""
+        return np.array([self._predict(int(rid), int(length)) for rid, length in zip(trace.ids, trace.output_lengths)])
+
+    def _predict(self, request_id: int, output_len: int) -> float:
+        z = np.random.default_rng([self.seed, request_id]).standard_normal()
+        return output_len * math.exp(self.noise * z)
 
     def queue_order(self, request: Request) -> float:
         return self.predicted_output_len(request)
