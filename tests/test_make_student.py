@@ -53,6 +53,13 @@ def test_the_runs_that_answer_a_prediction_are_tagged_for_the_reveal():
         None, ["labkit-answer"], ["labkit-answer"], None, None, None, None]
 
 
+def test_an_exercise_after_a_prompt_stays_in_view():
+    cells = [nbformat.v4.new_markdown_cell("Predict which trace gains more."),
+             nbformat.v4.new_code_cell("print(q3.traces)"), nbformat.v4.new_code_cell("answer = None\nq3.check(answer)")]
+    make_student.tag_answering_runs(cells)
+    assert [cell.metadata.get("tags") for cell in cells] == [None, None, None]
+
+
 def test_code_without_markers_is_unchanged():
     assert make_student.strip_solutions("x = 1\n\ny = 2") == "x = 1\n\ny = 2"
 

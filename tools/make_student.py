@@ -17,7 +17,9 @@ keep their outputs, for teachers and for reading online. Widget state is dropped
 Voilà (`make present`) runs every cell before it shows the page, so the code cells between a
 markdown cell that asks to **Predict** and the next markdown cell (the runs whose output
 answers the prediction) are tagged "labkit-answer"; the template in present/ puts them
-behind a reveal, as JupyterLab shows the lesson's own answers.
+behind a reveal, as JupyterLab shows the lesson's own answers. An exercise's cells, where a
+graded check follows the prompt, stay in view: they are the question, and the check is
+the reveal.
 """
 
 import copy
@@ -76,15 +78,29 @@ def student_copy(notebook):
 
 
 def tag_answering_runs(cells) -> None:
-    """Tag the code cells after a Predict prompt, up to the next markdown cell, as answers."""
-    after_prompt = False
-    for cell in cells:
-        if cell.cell_type == "markdown":
-            after_prompt = bool(PROMPT.search(cell.source))
-        elif after_prompt:
+    """Tag the code cells after a Predict prompt, up to the next markdown cell, as answers;
+    not where one of them is a graded check (`.check(`): those cells are the exercise's
+    question and its answer box, and the check is the reveal."""
+    for run in runs_after_prompts(cells):
+        if any(".check(" in cell.source for cell in run):
+            continue
+        for cell in run:
             tags = cell.metadata.setdefault("tags", [])
             if ANSWER_TAG not in tags:
                 tags.append(ANSWER_TAG)
+
+
+def runs_after_prompts(cells) -> list[list]:
+    """The code cells after each markdown cell that asks to Predict, up to the next markdown cell."""
+    runs, run = [], None
+    for cell in cells:
+        if cell.cell_type == "markdown":
+            run = [] if PROMPT.search(cell.source) else None
+            if run is not None:
+                runs.append(run)
+        elif run is not None:
+            run.append(cell)
+    return runs
 
 
 def main(paths: list[str]) -> None:
