@@ -189,3 +189,19 @@ def test_pool_sweep_without_optional_parts():
 def test_pool_sweep_rejects_series_of_the_wrong_length(series, recomputed, preemptions):
     with pytest.raises(ValueError, match="num_blocks has 2"):
         pool_sweep([8, 16], series, recomputed, preemptions)
+
+
+def test_pool_sweep_pairs_draw_a_color_per_policy_and_a_dash_per_group():
+    shares = {("paged", "CPU"): [0.5, 1.0], ("static", "CPU"): [0.2, 0.4],
+              ("paged", "GPU"): [0.3, 1.0], ("static", "GPU"): [0.1, 0.3]}
+    fig = pool_sweep([8, 16], shares, [3, 0], y_title="share of the best tokens/s")
+    lines = fig.data[:4]
+    assert [line.name for line in lines] == ["paged, CPU", "static, CPU", "paged, GPU", "static, GPU"]
+    assert lines[0].line.color == lines[2].line.color != lines[1].line.color == lines[3].line.color
+    assert [line.line.dash for line in lines] == ["solid", "solid", "dash", "dash"]
+    assert fig.layout.yaxis.title.text == "share of the best tokens/s"
+
+
+def test_pool_sweep_names_a_pair_in_its_length_error():
+    with pytest.raises(ValueError, match="paged, CPU has 1 values"):
+        pool_sweep([8, 16], {("paged", "CPU"): [1.0]}, [3, 0])

@@ -150,24 +150,44 @@ def _check_lengths(num_blocks: Sequence, **columns: Sequence) -> None:
             raise ValueError(f"{name} has {len(values)} values but num_blocks has {len(num_blocks)}")
 
 
+_DASHES = ("solid", "dash", "dot", "dashdot")
+
+
+def _sweep_line(key: str | tuple[str, str], keys: list) -> dict:
+    """A pair's line: its policy's color and its group's dash; a plain name keeps plotly's defaults."""
+    if not isinstance(key, tuple):
+        return {}
+    policies = list(dict.fromkeys(k[0] for k in keys if isinstance(k, tuple)))
+    groups = list(dict.fromkeys(k[1] for k in keys if isinstance(k, tuple)))
+    return {"color": PALETTE[policies.index(key[0]) % len(PALETTE)],
+            "dash": _DASHES[groups.index(key[1]) % len(_DASHES)]}
+
+
 def pool_sweep(
     num_blocks: Sequence[int],
-    tokens_per_second: dict[str, Sequence[float]],
+    tokens_per_second: dict[str | tuple[str, str], Sequence[float]],
     recomputed_tokens: Sequence[int],
     num_preemptions: Sequence[int] | None = None,
     peak: int | None = None,
+    y_title: str = "tokens/s",
 ) -> go.Figure:
     """Throughput (top, one line per policy) and recomputed tokens (bottom) against the pool size.
 
+    tokens_per_second: a series per name; a name that is a pair (policy, group), such as
+    (policy, price), draws each policy in one color and each group in its own dash.
     num_preemptions: shown when hovering over the recompute bars.
     peak: a pool size to mark, e.g. the most blocks an unbounded run ever held.
+    y_title: the top panel's axis, e.g. "share of the best tokens/s" for series scaled to it.
     """
-    _check_lengths(num_blocks, recomputed_tokens=recomputed_tokens, **tokens_per_second)
+    names = {key: ", ".join(key) if isinstance(key, tuple) else key for key in tokens_per_second}
+    _check_lengths(num_blocks, recomputed_tokens=recomputed_tokens,
+                   **{names[key]: values for key, values in tokens_per_second.items()})
     if num_preemptions is not None:
         _check_lengths(num_blocks, num_preemptions=num_preemptions)
     fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.08, row_heights=[0.6, 0.4])
-    for name, values in tokens_per_second.items():
-        fig.add_trace(go.Scatter(x=list(num_blocks), y=list(values), mode="lines+markers", name=name), row=1, col=1)
+    for key, values in tokens_per_second.items():
+        fig.add_trace(go.Scatter(x=list(num_blocks), y=list(values), mode="lines+markers", name=names[key],
+                                 line=_sweep_line(key, list(tokens_per_second))), row=1, col=1)
     hover = None if num_preemptions is None else [f"{n} preemptions" for n in num_preemptions]
     fig.add_trace(
         go.Bar(x=list(num_blocks), y=list(recomputed_tokens), hovertext=hover, name="recomputed tokens"), row=2, col=1
@@ -178,6 +198,6 @@ def pool_sweep(
                       row=2, col=1)  # labelled in the lower panel, where no bars stand beyond the peak
     fig.update_layout(title="KV pool size against throughput and recompute", height=520, plot_bgcolor="white")
     fig.update_xaxes(title="KV pool (blocks)", row=2, col=1, gridcolor=GRID)
-    fig.update_yaxes(title="tokens/s", rangemode="tozero", row=1, col=1, gridcolor=GRID)
+    fig.update_yaxes(title=y_title, rangemode="tozero", row=1, col=1, gridcolor=GRID)
     fig.update_yaxes(title="recomputed tokens", rangemode="tozero", row=2, col=1, gridcolor=GRID)
     return fig
