@@ -77,12 +77,28 @@ class MonteCarlo:
     pooled[k]: utilization of the first k+1 batches together, sum(L) / (B * sum(max));
         it converges to the ratio of expectations E[L]/E[max].
     mean_of_ratios[k]: the average of the first k+1 per-batch utilizations;
-        it converges to E[sum(L)/(B*max)], a different (larger) number.
+        it converges to E[sum(L)/(B*max)], a different number (larger for exponential
+        lengths, though not for every law).
+    shares[k], longest[k]: batch k's own utilization and its longest request.
     """
 
     batch_size: int
     pooled: np.ndarray
     mean_of_ratios: np.ndarray
+    shares: np.ndarray | None = None
+    longest: np.ndarray | None = None
+
+    def share_by_longest(self, num_groups: int = 4) -> np.ndarray:
+        """The mean of the batches' own shares in each of `num_groups` equal groups, the batches
+        sorted by their longest request, shortest first. The pooled share weighs each batch by
+        its longest request, so it lies below the mean of the shares when these fall."""
+        whole_number("num_groups", num_groups)
+        if self.shares is None or self.longest is None:
+            raise ValueError("shares and longest are None: run theory.monte_carlo to get them")
+        if num_groups > len(self.shares):
+            raise ValueError(f"num_groups = {num_groups}: more groups than the {len(self.shares)} batches")
+        order = np.argsort(self.longest, kind="stable")
+        return np.array([self.shares[group].mean() for group in np.array_split(order, num_groups)])
 
 
 def monte_carlo(lengths, batch_size: int, num_batches: int = 10_000, seed: int = 0) -> MonteCarlo:
@@ -99,7 +115,7 @@ def monte_carlo(lengths, batch_size: int, num_batches: int = 10_000, seed: int =
     pooled = np.cumsum(useful) / (batch_size * np.cumsum(longest))
     per_batch = useful / (batch_size * longest)
     mean_of_ratios = np.cumsum(per_batch) / np.arange(1, num_batches + 1)
-    return MonteCarlo(batch_size, pooled, mean_of_ratios)
+    return MonteCarlo(batch_size, pooled, mean_of_ratios, per_batch, longest)
 
 
 def _lengths(lengths) -> np.ndarray:

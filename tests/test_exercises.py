@@ -72,6 +72,38 @@ def test_q3_expects_the_trace_whose_simulated_gain_is_larger():
     assert gains["Q"] > gains["P"]
 
 
+def test_q3s_counterexample_has_more_std_over_mean_than_p_and_gains_less():
+    lengths = q3.counterexample.output_lengths
+    rng = np.random.default_rng(0)
+    assert np.array_equal(lengths, np.where(rng.random(300) < 0.7, 191, 1))
+    p = q3.traces["P"].output_lengths
+    assert lengths.std() / lengths.mean() > p.std() / p.mean()
+    trace = lk.Trace.from_lengths(lengths)
+    gain = _steps(trace, lk.Static(num_slots=8)) / _steps(trace, lk.Continuous(num_slots=8))
+    assert gain < q3.gains()["P"] and round(gain, 2) == 1.58
+    # E[max of 8] / E[L] from the two values: all 8 are 1 with probability (share of 1s)^8, else the longest is 191
+    ones = np.mean(lengths == 1)
+    ideal = (191 * (1 - ones**8) + ones**8) / lengths.mean()
+    assert lk.theory.ideal_gain(lengths, 8) == pytest.approx(ideal)
+
+
+def test_q3s_feedback_on_the_longest_request_holds_doubling_every_length_keeps_the_gain():
+    def steps(lengths):
+        trace = lk.Trace.from_lengths(lengths)
+        return _steps(trace, lk.Static(num_slots=8)), _steps(trace, lk.Continuous(num_slots=8))
+
+    once, doubled = steps(q3.traces["Q"].output_lengths), steps(2 * q3.traces["Q"].output_lengths)
+    assert doubled == (2 * once[0], 2 * once[1])
+
+
+def test_q3_offers_a_wrong_reason_for_each_trace():
+    """Not answerable by elimination: reasons 3 and 4 hold for Q, the winner, and are not why."""
+    p, q = (q3.traces[name].output_lengths for name in "PQ")
+    assert q.max() < p.max()  # reason 3: Q's longest is shorter
+    assert q.std() / q.mean() > p.std() / p.mean()  # reason 4: Q's std / mean is larger
+    assert "longer tail" in q3.reasons[5] and len(q3.reasons) == 6
+
+
 def test_q4_expects_the_smallest_pool_without_preemption():
     smallest = q4.expected()
     assert lk.simulate(q4.trace, q4.policy(smallest)).num_preemptions == 0
@@ -109,6 +141,15 @@ def test_q5_picks_the_most_tokens_per_second_ties_to_the_smaller_budget(sweep, p
     assert q5.pick(sweep) == picked
 
 
+def test_q5s_trace_can_be_made_longer_at_the_same_rate():
+    from dataclasses import replace
+
+    longer = replace(q5, num_requests=480).trace
+    assert len(q5.trace) == 120 and len(longer) == 480
+    rate = (len(longer) - 1) / np.ptp(longer.arrivals)
+    assert 18 < rate < 22  # about 20 requests/s, as q5.trace
+
+
 def test_q5_measures_its_load_against_what_the_budget_serves():
     row = q5.measure(512)
     trace = q5.trace
@@ -132,8 +173,8 @@ RIGHT_ANSWERS = [
     (q2, lambda: round(q2.expected(), 3)),
     (q2, lambda: 29.6),
     (q2, lambda: 100 * q2.expected()),
-    (q3, lambda: ("Q", 3)),
-    (q3, lambda: ("q", "3")),
+    (q3, lambda: ("Q", 5)),
+    (q3, lambda: ("q", "5")),
     (q4, lambda: q4.expected()),
     (q5, lambda: q5.expected()),
     (q6, lambda: reference_refill),
@@ -169,12 +210,19 @@ def _wrong_answers():
         (q2, 100 / math.log(16), "that is 1/ln 16"),
         (q2, 1 / (math.log(16) + 0.5772156649), "from H_B ≈ ln B + γ"),
         (q2, 0.3, "give three decimals"),
+        (q2, 0.29, "is not it"),
         (q2, 30, "give three decimals"),
         (q2, -0.3, "between 0 and 1"),
-        (q3, ("P", 3), "right idea"),
+        (q3, ("P", 5), "right idea"),
         (q3, ("P", 1), "not what the gain depends on"),
+        (q3, ("P", 3), "P's longest request is 191 tokens"),
         (q3, ("Q", 2), "can't be why"),
-        (q3, ("Q", 4), "200 requests"),
+        (q3, ("Q", 6), "200 requests"),
+        (q3, ("Q", 3), "169 tokens against 191"),
+        (q3, ("Q", 3), "double every length"),
+        (q3, ("Q", 4), "std / mean 0.77, more than P's, and gains 1.58×, less than P's 1.70×"),
+        (q3, ("P", 4), "does not set the gain"),
+        (q3, ("Q", 7), "choose one of 1, 2, 3, 4, 5, 6"),
         (q4, q4.fewest_that_fit(), "largest request needs alone"),
         (q4, q4.expected() - 1, "preempts"),
         (q4, q4.expected() + 5, "a smaller pool does too"),
@@ -325,7 +373,11 @@ def test_hints_and_solutions_quote_the_library(capsys):
     q1.solution()
     assert f"answer = {q1.expected()}" in capsys.readouterr().out
     q4.solution()
-    assert f"answer = {q4.expected()}" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert f"answer = {q4.expected()}" in printed
+    assert "Pools under 9 blocks cannot hold the largest request; pools of 9 to 18 hold it but preempt" in printed
+    q3.solution()
+    assert "answer = ('Q', 5)" in capsys.readouterr().out
     q5.solution()
     assert f"answer = {q5.expected()}" in capsys.readouterr().out
 

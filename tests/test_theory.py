@@ -53,6 +53,19 @@ def test_monte_carlo_pooled_converges_to_the_ratio_of_expectations():
     assert len(result.pooled) == len(result.mean_of_ratios) == 50_000
 
 
+def test_share_by_longest_is_the_mean_share_of_each_group_of_batches():
+    result = theory.monte_carlo([1, 2, 4], 2, num_batches=2_000, seed=4)
+    shares = {longest: [] for longest in (1, 2, 4)}
+    for share, longest in zip(result.shares, result.longest):
+        shares[longest].append(share)
+    assert [np.mean(shares[m]) for m in (1, 2, 4)] == pytest.approx([1.0, 2.5 / 3, 3.75 / 5], abs=0.02)
+    groups = result.share_by_longest(3)  # shortest first; over a ninth of the batches have longest 1, 5/9 longest 4
+    assert groups[0] > np.mean(shares[2]) > groups[-1] == pytest.approx(np.mean(shares[4]), abs=0.02)
+    assert np.all(np.diff(theory.monte_carlo("exponential", 16, seed=0).share_by_longest()) < 0)
+    # the pooled share weighs each batch by its longest request
+    assert result.pooled[-1] == pytest.approx(np.average(result.shares, weights=result.longest))
+
+
 def test_monte_carlo_on_an_empirical_distribution_matches_order_statistics():
     lengths = [50, 120, 300, 900]
     result = theory.monte_carlo(lengths, 4, num_batches=100_000, seed=2)
@@ -74,6 +87,8 @@ def test_simulated_static_utilization_matches_theory_on_a_backlogged_queue():
         (lambda: theory.expected_max([], 2), "lengths is empty"),
         (lambda: theory.static_utilization([1, -3], 2), "lengths must be finite and > 0"),
         (lambda: theory.monte_carlo("exponential", 8, num_batches=0), "num_batches = 0"),
+        (lambda: theory.monte_carlo("exponential", 8, num_batches=3).share_by_longest(4), "num_groups = 4"),
+        (lambda: theory.monte_carlo("exponential", 8).share_by_longest(0), "num_groups = 0"),
     ],
 )
 def test_bad_input(call, message):

@@ -59,8 +59,9 @@ class IterationCounts(Question):
         answered = whole_number(first, "static iterations"), whole_number(second, "continuous iterations")
         static, continuous = self.expected()
         if answered == (static, continuous) and static == continuous:
-            return correct(f"Both take {static} iterations for the same {sum(self.lengths)} tokens: the longest "
-                           "request sets the end, and refilling slots cannot shorten a single request.")
+            return correct(f"Both take {static} iterations for the same {sum(self.lengths)} tokens: "
+                           f"{self._last_to_finish()} sets the end under both, and refilling slots cannot shorten "
+                           f"a single request.{self._reversed()}")
         if answered == (static, continuous):
             return correct(f"Static batching takes {static} iterations and continuous batching {continuous}: the same "
                            f"{sum(self.lengths)} tokens, {static - continuous} iterations fewer.")
@@ -68,6 +69,32 @@ class IterationCounts(Question):
             return incorrect("You swapped them: static batching takes the larger count. Give (static, continuous).")
         feedback = self._static_feedback(answered[0], static), self._continuous_feedback(answered[1], continuous)
         return incorrect(" ".join(feedback))
+
+    def _continuous_log(self, lengths=None) -> StepLog:
+        return simulate(Trace.from_lengths(lengths or self.lengths), Continuous(num_slots=self.num_slots))
+
+    def _last_to_finish(self) -> str:
+        """The request that ends continuous batching's run, and the iteration it starts in."""
+        log = self._continuous_log()
+        last = int(np.argmax(log.finish_step))
+        admitted = "last, " if log.admit_step[last] == log.admit_step.max() else ""
+        return f"the {self.lengths[last]}-token request, admitted {admitted}in iteration {log.admit_step[last]},"
+
+    def _reversed(self) -> str:
+        """What the same lengths in reverse order take, when that differs."""
+        lengths = self.lengths[::-1]
+        counts = _num_steps(Trace.from_lengths(lengths), Static(num_slots=self.num_slots)), \
+            self._continuous_log(lengths).num_steps
+        if counts == self.expected():
+            return ""
+        return (f" Admitted first, in the order {lengths}, it would run beside the short ones: static "
+                f"{counts[0]}, continuous {counts[1]} iterations.")
+
+    @staticmethod
+    def _one_short(label: str, answered: int, expected: int, why: str = "") -> str:
+        """The off-by-one of counting from 0: the last iteration's number taken for the count."""
+        why = why or f"the last iteration is iteration {answered}"
+        return f"{label}: {answered} is one short: {why}; numbered from 0, that makes {expected} iterations."
 
     def _lower_bound(self) -> int:
         """Iterations if no slot ever idled: total tokens / slots, rounded up."""
@@ -85,6 +112,8 @@ class IterationCounts(Question):
         if answered == sum(self.lengths):
             return (f"Static: {answered} is every token on one slot; with {self.num_slots} slots a batch runs "
                     f"{self.num_slots} requests side by side.")
+        if answered == static - 1:
+            return self._one_short("Static", answered, static)
         return (f"Static: {answered} is not it. Take the requests {self.num_slots} at a time, in order, and add up "
                 "the longest of each batch.")
 
@@ -98,8 +127,19 @@ class IterationCounts(Question):
         if answered == lower_bound:
             return (f"Continuous: {answered} is total tokens / slots, as if no slot ever idled. At the end nothing "
                     "is left to replace a finished request, and the last ones run alone: the draining tail.")
+        if answered == continuous - 1:
+            return self._one_short("Continuous", answered, continuous, self._late_start(answered))
         return (f"Continuous: {answered} is not it. Give each freed slot to the next waiting request at the next "
                 "iteration, and count until the last request ends.")
+
+    def _late_start(self, answered: int) -> str:
+        """When the answer is the length of the request that ends last, and it did not start at once: why."""
+        log = self._continuous_log()
+        last = int(np.argmax(log.finish_step))
+        if self.lengths[last] != answered or not log.admit_step[last]:
+            return ""
+        return (f"it is the {answered}-token request's own length, but that request waits for a free slot until "
+                f"iteration {log.admit_step[last]} and ends in iteration {log.finish_step[last]}")
 
     def hint_text(self) -> str:
         return (f"Draw {self.num_slots} rows, one per slot, and fill in one cell per token. Static: take the requests "
@@ -146,8 +186,8 @@ class Utilizations(Question):
             return correct(self._praise())
         if all(math.isclose(a, e, abs_tol=self.tolerance) for a, e in zip(answered, expected[::-1])):
             return incorrect("The two are swapped: give (static, continuous).")
-        notes = [self._note(label, value, target, ok) for label, value, target, ok in
-                 zip(("Static", "Continuous"), answered, expected, right)]
+        notes = [self._note(label, value, log, ok) for label, value, log, ok in
+                 zip(("Static", "Continuous"), answered, self._logs(), right)]
         if any(note.endswith("is not it.") for note in notes):
             notes.append(self.hint_text())
         return incorrect(" ".join(notes))
@@ -157,9 +197,13 @@ class Utilizations(Question):
         """A share as a fraction; 60 reads as 60%."""
         return value / 100 if 1 < value <= 100 else value
 
-    def _note(self, label: str, value: float, target: float, ok: bool) -> str:
+    def _note(self, label: str, value: float, log: StepLog, ok: bool) -> str:
         if ok:
             return f"{label}: {value:.3g} is right."
+        target, one_fewer = log.utilization, log.num_steps - 1
+        if one_fewer and math.isclose(value, log.num_tokens / (log.num_slots * one_fewer), abs_tol=self.tolerance):
+            return (f"{label}: {value:.3g} is {log.num_tokens}/({log.num_slots} × {one_fewer}), one iteration short: "
+                    f"iterations are numbered 0 to {one_fewer}, so there are {log.num_steps}.")
         if math.isclose(value, 1 - target, abs_tol=self.tolerance):
             return f"{label}: {value:.3g} is the idle share; utilization is the useful one, tokens / (slots × iterations)."
         if label == "Continuous" and value == 1:
@@ -190,7 +234,7 @@ class ExponentialUtilization(Question):
     """Long-run utilization of static batches of `batch_size` requests with exponential output lengths."""
 
     batch_size: int
-    answer_format = "a fraction between 0 and 1, e.g. 0.5"
+    answer_format = "a fraction between 0 and 1, to three decimals, e.g. 0.500"
     tolerance = 0.002  # tighter than the gap to 1/(ln B + γ) and to two decimals' rounding
 
     def expected(self) -> float:
@@ -203,7 +247,8 @@ class ExponentialUtilization(Question):
             return correct(f"1/H_{self.batch_size} = 1/{gain:.3f} = {expected:.3f}: over many batches, static batches "
                            f"of {self.batch_size} exponential lengths keep {expected:.1%} of all their slot-steps "
                            "busy (useful slot-steps summed over slot-steps summed, a ratio of expectations), and "
-                           f"continuous batching's ideal gain is H_{self.batch_size} = {gain:.2f}×.")
+                           f"continuous batching's ideal gain in slot utilization is H_{self.batch_size} = "
+                           f"{gain:.2f}×, a gain in seconds only where every step costs the same.")
         if round(expected, 2) in (value, value / 100):
             return incorrect(f"{value:g} is the answer rounded to two decimals{self._rounds_alike()}: give three "
                              "decimals.")
@@ -265,11 +310,23 @@ class ExponentialUtilization(Question):
 _REASONS = (
     "It has more tokens in total, so there is more work to pack into the slots.",
     "Its requests are longer on average, so each static batch lasts longer.",
-    "Its lengths vary more relative to their mean: a static batch lasts as long as its longest request, so "
-    "E[max of B] / E[L] is larger.",
+    "Its longest request is shorter, so no static batch runs for very long.",
+    "Its lengths have a larger std / mean (their spread relative to the mean), and that ratio sets the gain.",
+    "The longest request of a batch lies further above the mean (a longer tail), and a static batch lasts as "
+    "long as its longest request.",
     "It has more requests, so the queue stays full for longer.",
 )
-_SPREAD_REASON = 3
+_LONGEST_REASON, _STD_REASON, _TAIL_REASON = 3, 4, 5
+
+
+def _gain(trace: Trace, num_slots: int) -> float:
+    """Static steps / continuous steps on a backlog."""
+    return _num_steps(trace, Static(num_slots=num_slots)) / _num_steps(trace, Continuous(num_slots=num_slots))
+
+
+def _std_over_mean(trace: Trace) -> float:
+    lengths = trace.output_lengths
+    return float(lengths.std() / lengths.mean())
 
 
 @dataclass(frozen=True)
@@ -296,13 +353,19 @@ class WhichGainsMore(Question):
         }
 
     @property
+    def counterexample(self) -> Trace:
+        """300 lengths of 1 or 191 tokens (191 with probability 0.7), waiting at t = 0: their std / mean is
+        larger than P's, their gain smaller. The tail sets the gain, not the std."""
+        draws = np.random.default_rng(0).random(300)
+        return Trace.from_lengths(np.where(draws < 0.7, 191, 1))
+
+    @property
     def reasons(self) -> dict[int, str]:
         return dict(enumerate(_REASONS, start=1))
 
     def gains(self) -> dict[str, float]:
         """Static steps / continuous steps for each trace."""
-        return {name: _num_steps(trace, Static(num_slots=self.num_slots)) /
-                _num_steps(trace, Continuous(num_slots=self.num_slots)) for name, trace in self.traces.items()}
+        return {name: _gain(trace, self.num_slots) for name, trace in self.traces.items()}
 
     def grade(self, answer):
         first, second = pair(answer, self.answer_format)
@@ -311,20 +374,39 @@ class WhichGainsMore(Question):
         gains = self.gains()
         winner = max(gains, key=gains.get)
         other = self._other(winner)
-        if trace == winner and reason == _SPREAD_REASON:
+        if trace == winner and reason == _TAIL_REASON:
             return correct(f"{winner} gains {gains[winner]:.2f}× and {other} only {gains[other]:.2f}× "
                            f"(static steps / continuous steps on {self.num_slots} slots). E[max of "
                            f"{self.num_slots}] / E[L] is {self._ideal_gain(winner):.2f} for {winner} and "
                            f"{self._ideal_gain(other):.2f} for {other}: with a backlog that refills every slot, the "
-                           "gain follows the spread of the lengths, not their size or number.")
-        if reason == _SPREAD_REASON:
-            return incorrect(f"Reason {reason} is the right idea; now apply it. Whose lengths vary more relative to "
-                             "their mean? Compare std / mean of each trace's output_lengths.")
+                           "gain follows how far a batch's longest request lies above the mean, not the lengths' "
+                           "size; their number matters only through the draining tail.")
+        if reason == _TAIL_REASON:
+            return incorrect(f"Reason {reason} is the right idea; now apply it. How far does the longest of "
+                             f"{self.num_slots} lie above the mean in each trace? "
+                             f"lk.theory.ideal_gain(trace.output_lengths, {self.num_slots}) is E[max of "
+                             f"{self.num_slots}] / E[L].")
+        if reason == _STD_REASON:
+            return incorrect(self._std_feedback(trace, winner, other))
         if trace != winner:
             return incorrect(f"{self._fact(reason, trace)} and {self._fact(reason, winner)}, but that is not what the "
                              "gain depends on. Simulate both and compare static steps / continuous steps.")
+        if reason == _LONGEST_REASON:
+            longest = {name: self.traces[name].output_lengths.max() for name in (winner, other)}
+            return incorrect(f"{winner} is the right trace, and its longest request is shorter ({longest[winner]} "
+                             f"tokens against {longest[other]}), but the gain is a ratio of two runs: double every "
+                             "length and both runs take twice the steps, the gain unchanged. What sets it?")
         return incorrect(f"{winner} is the right trace, but reason {reason} can't be why: "
                          f"{self._fact(reason, winner)} and {self._fact(reason, other)}.")
+
+    def _std_feedback(self, trace: str, winner: str, other: str) -> str:
+        """std / mean is not the gain: a two-valued trace has more of it than the loser, and gains less."""
+        example = self.counterexample
+        return (f"{self._fact(_STD_REASON, trace)} and {self._fact(_STD_REASON, self._other(trace))}, but std / "
+                f"mean does not set the gain. q3.counterexample, {len(example)} lengths of 1 or "
+                f"{example.output_lengths.max()} tokens, has std / mean {_std_over_mean(example):.2f}, more than "
+                f"{other}'s, and gains {_gain(example, self.num_slots):.2f}×, less than {other}'s "
+                f"{self.gains()[other]:.2f}×. What else differs between {winner} and {other}?")
 
     def _other(self, name: str) -> str:
         return next(other for other in self.traces if other != name)
@@ -334,25 +416,31 @@ class WhichGainsMore(Question):
 
     def _fact(self, reason: int, name: str) -> str:
         """What `reason` says about trace `name`, in numbers."""
-        lengths = self.traces[name].output_lengths
+        trace = self.traces[name]
+        lengths = trace.output_lengths
         if reason == 1:
             return f"{name} has {lengths.sum():,} tokens in total"
         if reason == 2:
             return f"{name}'s requests average {lengths.mean():.1f} tokens"
+        if reason == _LONGEST_REASON:
+            return f"{name}'s longest request is {lengths.max()} tokens"
+        if reason == _STD_REASON:
+            return f"{name}'s std / mean is {_std_over_mean(trace):.2f}"
         return f"{name} has {len(lengths)} requests"
 
     def hint_text(self) -> str:
-        return ("A static batch lasts as long as its longest request, so its waste depends on how far the lengths "
-                "in a batch spread, not on how long they are. Compare std / mean of each trace's lengths, or "
-                "lk.theory.ideal_gain(lengths, B).")
+        return ("A static batch lasts as long as its longest request, so its waste depends on how far the longest "
+                "of a batch lies above the mean, not on how long the lengths are. "
+                f"lk.theory.ideal_gain(lengths, {self.num_slots}) computes E[max of {self.num_slots}] / E[L] for "
+                "each trace's output_lengths.")
 
     def solution_text(self) -> str:
         gains = self.gains()
-        lines = [f"{name}: {len(t)} requests, mean {t.output_lengths.mean():.1f}, std / mean "
-                 f"{t.output_lengths.std() / t.output_lengths.mean():.2f}, E[max of {self.num_slots}] / E[L] = "
-                 f"{self._ideal_gain(name):.2f}, simulated gain {gains[name]:.2f}×" for name, t in self.traces.items()]
+        lines = [f"{name}: {len(t)} requests, mean {t.output_lengths.mean():.1f}, longest {t.output_lengths.max()}, "
+                 f"E[max of {self.num_slots}] / E[L] = {self._ideal_gain(name):.2f}, simulated gain "
+                 f"{gains[name]:.2f}×" for name, t in self.traces.items()]
         winner = max(gains, key=gains.get)
-        return "\n".join([*lines, f"answer = ({winner!r}, {_SPREAD_REASON})"])
+        return "\n".join([*lines, f"answer = ({winner!r}, {_TAIL_REASON})"])
 
 
 @dataclass(frozen=True)
@@ -422,8 +510,10 @@ class SmallestPool(Question):
     def solution_text(self) -> str:
         smallest = self.expected()
         rows = [f"{n:10}  {self.num_preemptions(n):11}" for n in range(self.fewest_that_fit(), smallest + 1)]
-        return "\n".join(["num_blocks  preemptions", *rows,
-                          f"Smaller pools cannot hold the largest request. answer = {smallest}"])
+        fit = self.fewest_that_fit()
+        preempting = f"; pools of {fit} to {smallest - 1} hold it but preempt" if smallest > fit else ""
+        return "\n".join(["num_blocks  preemptions", *rows, f"Pools under {fit} blocks cannot hold the largest "
+                          f"request{preempting}. answer = {smallest}"])
 
 
 ITL_P99, THROUGHPUT = "ITL p99 (ms)", "tokens/s"
@@ -438,11 +528,13 @@ class TokenBudget(Question):
     itl_p99_target_ms: float
     num_slots: int
     tie: float = 0.01
+    num_requests: int = 120
     answer_format = "one budget from q5.budgets, e.g. 128"
 
     @property
     def trace(self) -> Trace:
-        return Trace.sample(120, output="exponential", mean_output=32, prompt="uniform", mean_prompt=384,
+        """`num_requests` requests arriving at about 20 a second."""
+        return Trace.sample(self.num_requests, output="exponential", mean_output=32, prompt="uniform", mean_prompt=384,
                             rate=20.0, seed=5)
 
     def policy(self, budget: int) -> Continuous:
