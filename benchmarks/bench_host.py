@@ -4,29 +4,35 @@
    the device idle 2/7 of the time, and a 5 ms step with overlap, 1.4x the throughput.
    Goal: exactly these numbers.
 2. The engine's host share of decode-step time at B = 8, 32 and 64, with overlap off and
-   on, in one run, alternating: the host and device seconds per decode step, the device's
-   idle share, and what overlap hid: 1 - (overlapped step - device) / host of the plain
-   step, 1 where the step shrinks to its device time, 0 where overlap saves nothing, and
-   below 0 where overlapping makes the step slower. Twice: the default TinyGPT as it is,
-   and a wider one (d_model 768) with 10 ms of extra host work per step
-   (`Engine(extra_host_seconds=0.01)`), the host share made large on purpose.
-   Goal on CUDA (when measured): at least 80% hidden at B = 32.
-3. CostModel.fit with host terms on an engine run: its error on held-out steps, and on
+   on, alternating (`decode_steps`): the host and device ms per decode step (the device's
+   measured in the overlapped run too), the device's idle share, and the speed-up against
+   the arithmetic (host + device) / max(host, device).
+   Goal on CUDA (when measured): an overlapped step within 5% of the device's at B = 32.
+3. What the host's work holds, and what overlap then buys (`host_work`): TinyGPT at B = 8
+   with 2 ms of extra host work a step (`Engine(extra_host_seconds=0.002)`) of four kinds,
+   plain and overlapped: busy Python (a core and the interpreter lock held), busy native
+   code (a core held, the lock released), a sleep that keeps the lock (the lock held, no
+   core) and a plain sleep (neither).
+4. The host's time per decode step at scale (`decode_host`): TinyGPT taking turns at B = 8
+   to 1,024, the median host and device ms of its decode steps, the run with the lowest
+   host time of the repeats. Lesson 08 fits host = a + b B over this range.
+5. CostModel.fit with host terms on an engine run: its error on held-out steps, and on
    every step of another run it never saw. Goal: within 15%.
-4. labkit's own scheduler: CPU time of `policy.schedule` against running and waiting requests.
-5. Host time at scale, in the simulator priced by the fitted host terms and a hand-set
-   GPU-like device: the device's idle share at 64 to 1,024 running requests, with and
-   without overlap.
+6. labkit's own scheduler: CPU time of `policy.schedule` against running and waiting requests.
 
-Results go to benchmarks/results/host-<device>.json and are summarised on stdout.
+Results go to benchmarks/results/host-<device>.json and are summarised on stdout; "runs"
+records when each section ran, the machine's load average then and the run's niceness (run
+it with `nice -n -19` on a machine other programs share, so that they wait for it, not it
+for them). `--sections` measures only some sections and keeps the others from the saved file.
 Run: `make bench`, or `python benchmarks/bench_host.py --device cuda` on a GPU.
 """
 
 import argparse
 import datetime
 import json
+import os
 import platform
-from dataclasses import replace
+import time
 from pathlib import Path
 
 import numpy as np
@@ -35,12 +41,16 @@ import torch
 import labkit as lk
 from labkit.analysis.host import schedule_seconds
 from labkit.analysis.lanes import overlap_speedup, two_lanes
-from labkit.engine import Engine, ModelConfig
+from labkit.engine import Engine
+from labkit.engine.model_runner import busy_native, busy_python, sleep_holding_lock
 
 RESULTS = Path(__file__).resolve().parent / "results"
 BATCH_SIZES = (8, 32, 64)
-SETUPS = {"TinyGPT": (ModelConfig(), 0.0), "d_model 768, +10 ms host": (ModelConfig(d_model=768, n_heads=8, d_ff=3072), 0.01)}
-GPU_LIKE = lk.CostModel(overhead=4e-3, per_prefill_token=2e-5, per_decode_token=2e-6, per_kv_token=5e-9)
+HOST_WORK = {"busy Python": busy_python, "busy native": busy_native,  # holds a core and the lock; a core
+             "sleep, lock held": sleep_holding_lock, "sleep": time.sleep}  # the lock; neither
+EXTRA_HOST_SECONDS = 0.002
+SCALE_SIZES = (8, 16, 32, 64, 128, 256, 512, 1024)
+SECTIONS = ("two_lanes", "decode_steps", "host_work", "decode_host", "fit", "schedule_seconds")
 
 
 def two_lane_check() -> dict:
@@ -67,36 +77,86 @@ def decode_steps(log) -> dict:
             "device_idle": float(1 - device.sum() / step.sum())}
 
 
-def host_shares(device: str, threads: int | None, output_len: int, repeats: int, setup: str) -> dict:
-    """Decode steps at each batch size, plain and overlapped, alternating; each run's median steps, best of repeats."""
-    config, extra = SETUPS[setup]
-    print(f"\n{setup}:")
-    engines = {overlap: Engine(config, device=device, threads=threads, overlap=overlap, extra_host_seconds=extra)
-               for overlap in (False, True)}
+def best_runs(engines: dict, traces: dict, repeats: int) -> dict:
+    """{(trace key, engine key): decode_steps of the run with the shortest median step}, over
+    `repeats` rounds in which every engine runs every trace, alternating."""
     best: dict = {}
     for _ in range(repeats):
-        for b in BATCH_SIZES:
-            for overlap, engine in engines.items():
-                measured = decode_steps(engine.run(decode_trace(b, output_len), lk.Continuous(num_slots=b),
-                                                   progress=False))
-                key = (b, overlap)
+        for trace_key, trace in traces.items():
+            for engine_key, engine in engines.items():
+                measured = decode_steps(engine.run(trace, lk.Continuous(num_slots=len(trace)), progress=False))
+                key = (trace_key, engine_key)
                 if key not in best or measured["step_ms"] < best[key]["step_ms"]:
                     best[key] = measured
+    return best
+
+
+def overlap_result(plain: dict, overlapped: dict) -> dict:
+    return {"plain": plain, "overlap": overlapped, "speedup": plain["step_ms"] / overlapped["step_ms"],
+            "arithmetic": overlap_speedup(plain["host_ms"], plain["device_ms"])}
+
+
+def print_overlap(label: str, result: dict) -> None:
+    plain, overlapped = result["plain"], result["overlap"]
+    print(f"{label}: plain step {plain['step_ms']:.2f} ms (host {plain['host_ms']:.2f}, device "
+          f"{plain['device_ms']:.2f}, device idle {plain['device_idle']:.1%}); overlapped step "
+          f"{overlapped['step_ms']:.2f} ms (device {overlapped['device_ms']:.2f}, "
+          f"idle {overlapped['device_idle']:.1%}); {result['speedup']:.2f}x, "
+          f"the arithmetic {result['arithmetic']:.2f}x")
+
+
+def host_shares(device: str, threads: int | None, output_len: int, repeats: int) -> dict:
+    """TinyGPT's decode steps at each batch size, plain and overlapped."""
+    engines = {overlap: Engine(device=device, threads=threads, overlap=overlap) for overlap in (False, True)}
+    best = best_runs(engines, {b: decode_trace(b, output_len) for b in BATCH_SIZES}, repeats)
     results = {}
     for b in BATCH_SIZES:
-        plain, overlapped = best[b, False], best[b, True]
-        hidden = 1 - (overlapped["step_ms"] - plain["device_ms"]) / plain["host_ms"]
-        results[b] = {"plain": plain, "overlap": overlapped, "speedup": plain["step_ms"] / overlapped["step_ms"],
-                      "host_hidden": hidden}
-        print(f"B = {b:2}: plain step {plain['step_ms']:.2f} ms (host {plain['host_ms']:.2f}, device "
-              f"{plain['device_ms']:.2f}, host share {plain['host_share']:.1%}, device idle {plain['device_idle']:.1%}); "
-              f"overlapped step {overlapped['step_ms']:.2f} ms (device {overlapped['device_ms']:.2f}, "
-              f"idle {overlapped['device_idle']:.1%}); "
-              f"{results[b]['speedup']:.2f}x; host hidden {hidden:.0%}")
+        results[b] = overlap_result(best[b, False], best[b, True])
+        print_overlap(f"TinyGPT, B = {b:2}", results[b])
+    return {"TinyGPT": results}
+
+
+def host_work(device: str, threads: int | None, output_len: int, repeats: int) -> dict:
+    """TinyGPT at B = 8 with EXTRA_HOST_SECONDS of each kind of host work, plain and overlapped,
+    in `repeats` rounds that alternate the kinds: each number the median over the rounds, and
+    the speed-up's range over them too."""
+    trace = decode_trace(8, output_len)
+    engines = {(kind, overlap): Engine(device=device, threads=threads, overlap=overlap,
+                                       extra_host_seconds=EXTRA_HOST_SECONDS, extra_host_work=work)
+               for kind, work in HOST_WORK.items() for overlap in (False, True)}
+    rounds = {kind: [] for kind in HOST_WORK}
+    for _ in range(repeats):
+        for kind in HOST_WORK:
+            plain, overlapped = (decode_steps(engines[kind, overlap].run(trace, lk.Continuous(num_slots=8),
+                                                                         progress=False))
+                                 for overlap in (False, True))
+            rounds[kind].append(overlap_result(plain, overlapped))
+    results = {}
+    for kind, runs in rounds.items():
+        median = {lane: {name: float(np.median([run[lane][name] for run in runs])) for name in runs[0][lane]}
+                  for lane in ("plain", "overlap")}
+        speedups = [run["speedup"] for run in runs]
+        results[kind] = {**median, "speedup": float(np.median(speedups)),
+                         "speedup_range": [min(speedups), max(speedups)],
+                         "arithmetic": overlap_speedup(median["plain"]["host_ms"], median["plain"]["device_ms"])}
+        print_overlap(f"B = 8, +{EXTRA_HOST_SECONDS * 1e3:g} ms {kind}, medians of {repeats}", results[kind])
     return results
 
 
-def fit_check(device: str, threads: int | None) -> tuple[dict, lk.CostModel]:
+def decode_host(device: str, threads: int | None, repeats: int) -> dict:
+    """TinyGPT's host and device ms per decode step, taking turns, from B = 8 to 1,024: of
+    `repeats` runs, the one with the lowest median host time."""
+    engine = Engine(device=device, threads=threads)
+    results = {}
+    for b in SCALE_SIZES:
+        runs = [decode_steps(engine.run(decode_trace(b, 16), lk.Continuous(num_slots=b), progress=False))
+                for _ in range(repeats)]
+        results[b] = min(runs, key=lambda run: run["host_ms"])
+        print(f"decode host, B = {b:4}: host {results[b]['host_ms']:.3f} ms, device {results[b]['device_ms']:.2f} ms")
+    return results
+
+
+def fit_check(device: str, threads: int | None) -> dict:
     engine = Engine(device=device, threads=threads)
     policy = lk.Continuous(num_slots=16, max_tokens_per_step=256, chunked_prefill=True)
 
@@ -113,7 +173,7 @@ def fit_check(device: str, threads: int | None) -> tuple[dict, lk.CostModel]:
     print(f"{fit}; on another run's {other.num_steps} steps: {other_error:.1%}")
     print(f"  {fit.model}")
     return {"held_out_error": fit.relative_error, "other_run_error": other_error, "num_train": fit.num_train,
-            "model": repr(fit.model)}, fit.model
+            "model": repr(fit.model)}
 
 
 def scheduler_cost() -> dict:
@@ -129,42 +189,39 @@ def scheduler_cost() -> dict:
     return results
 
 
-def at_scale(fitted: lk.CostModel) -> dict:
-    host_terms = {name: getattr(fitted, name) for name in ("host_overhead", "host_per_request", "host_per_token")}
-    results = {}
-    for overlap in (False, True):
-        cost = replace(GPU_LIKE, **host_terms, overlap=overlap)
-        for b in (64, 256, 1024):
-            log = lk.simulate(decode_trace(b, 64), lk.Continuous(num_slots=b), cost=cost)
-            results[f"B = {b}, overlap {overlap}"] = {"device_idle": log.device_idle_fraction,
-                                                     "tokens_per_second": log.tokens_per_second}
-    print("simulated, fitted host terms + GPU-like device: " + ", ".join(
-        f"{k}: idle {v['device_idle']:.0%}" for k, v in results.items()))
-    return results
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: the engine's)")
     parser.add_argument("--output-len", type=int, default=48, help="decode steps per run")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS),
+                        help="measure only these; keep the others from the saved results")
     args = parser.parse_args()
     engine = Engine(device=args.device, threads=args.threads)
     machine = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "device": str(engine.device),
                "processor": platform.processor() or platform.machine(), "threads": engine.threads,
                "torch": torch.__version__, "cuda_graphs": engine.cuda_graphs}
     print(", ".join(f"{k} {v}" for k, v in machine.items()))
-    lanes = two_lane_check()
-    shares = {setup: host_shares(args.device, args.threads, args.output_len, args.repeats, setup) for setup in SETUPS}
-    print()
-    fit, fitted = fit_check(args.device, args.threads)
-    scheduler = scheduler_cost()
-    scale = at_scale(fitted)
-    RESULTS.mkdir(exist_ok=True)
+    measure = {"two_lanes": two_lane_check,
+               "decode_steps": lambda: host_shares(args.device, args.threads, args.output_len, args.repeats),
+               "host_work": lambda: host_work(args.device, args.threads, args.output_len, args.repeats),
+               "decode_host": lambda: decode_host(args.device, args.threads, args.repeats),
+               "fit": lambda: fit_check(args.device, args.threads),
+               "schedule_seconds": scheduler_cost}
     out = RESULTS / f"host-{engine.device.type}.json"
-    out.write_text(json.dumps({**machine, "two_lanes": lanes, "decode_steps": shares, "fit": fit,
-                               "schedule_seconds": scheduler, "at_scale": scale}, indent=1) + "\n")
+    saved = json.loads(out.read_text()) if out.exists() and set(args.sections) != set(SECTIONS) else {}
+    kept = [name for name in SECTIONS if name in saved and name not in args.sections]
+    runs = {name: saved.get("runs", {}).get(name, {"date": saved["date"]}) for name in kept}
+    sections = {name: saved[name] for name in kept}
+    for name in args.sections:
+        runs[name] = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
+                      "load_average": round(os.getloadavg()[0], 2), "niceness": os.nice(0)}
+        sections[name] = measure[name]()
+    RESULTS.mkdir(exist_ok=True)
+    results = {**machine, "runs": {name: runs[name] for name in SECTIONS if name in runs},
+               **{name: sections[name] for name in SECTIONS if name in sections}}
+    out.write_text(json.dumps(results, indent=1) + "\n")
     print(f"\nwrote {out}")
 
 

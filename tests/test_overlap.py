@@ -2,6 +2,7 @@
 device lane with placeholders (labkit.engine.overlap). The overlapped engine must give
 the plain engine's tokens and slots, and every comparison has a control that fails."""
 
+import time
 from dataclasses import replace
 
 import numpy as np
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 
 import labkit as lk
 from labkit.engine import Engine, ModelConfig
+from labkit.engine.model_runner import busy_native, sleep_holding_lock
 from labkit.engine.overlap import OverlappedRunner
 from labkit.sched.driver import drive
 from labkit.sched.overlap import FixedLanding, drive_overlapped
@@ -174,6 +176,55 @@ def test_extra_host_work_shows_in_the_host_time_and_not_the_tokens(plain):
     log = Engine(TINY, device="cpu", seed=0, threads=1, extra_host_seconds=0.002).run(MIXED, policy, progress=False)
     assert log.outputs == plain[repr(policy)].outputs
     assert (log.host_seconds >= 0.002).all()
+
+
+@pytest.mark.parametrize("work", [time.sleep, busy_native, sleep_holding_lock],
+                         ids=["sleep", "busy_native", "sleep_holding_lock"])
+@pytest.mark.parametrize("overlap", [False, True])
+def test_every_kind_of_extra_host_work_adds_host_time_and_changes_no_token(plain, work, overlap):
+    policy = POLICIES[4]
+    engine = Engine(TINY, device="cpu", seed=0, threads=1, overlap=overlap, extra_host_seconds=0.002,
+                    extra_host_work=work)
+    log = engine.run(MIXED, policy, progress=False)
+    assert log.outputs == plain[repr(policy)].outputs
+    assert np.median(log.host_seconds) >= 0.002
+    assert f"extra_host_work={work.__name__}" in repr(engine)
+
+
+def test_busy_native_work_keeps_a_core_busy_and_sleep_does_not():
+    start = time.thread_time()
+    busy_native(0.1)
+    busy = time.thread_time() - start
+    start = time.thread_time()
+    time.sleep(0.1)
+    assert busy > 0.02 > time.thread_time() - start  # a loaded machine gives a busy thread less than its 0.1 s
+
+
+def test_sleeping_holding_the_lock_stops_every_other_thread_and_keeps_no_core_busy():
+    import threading
+
+    ticks, done = [], threading.Event()
+
+    def tick():
+        while not done.is_set():
+            ticks.append(time.perf_counter())
+            time.sleep(0.001)
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    time.sleep(0.02)
+    start, cpu = time.perf_counter(), time.thread_time()
+    sleep_holding_lock(0.2)
+    end, cpu = time.perf_counter(), time.thread_time() - cpu
+    done.set()
+    ticker.join()
+    assert end - start >= 0.2 and cpu < 0.02
+    assert not [t for t in ticks if start + 0.01 < t < end - 0.01]  # the ticker could not run while it slept
+
+
+def test_extra_host_work_must_be_a_function():
+    with pytest.raises(ValueError, match="extra_host_work = 'sleep': must be a function of seconds"):
+        Engine(TINY, device="cpu", extra_host_work="sleep")
 
 
 @pytest.mark.parametrize("value", [-0.001, 1.0, "0.1", True])

@@ -39,3 +39,16 @@ def test_step_breakdown_stacks_the_three_parts():
     assert [t.name for t in fig.data] == ["GEMMs", "attention", "other"]
     assert list(fig.data[1].x) == ["B = 1", "B = 8"] and list(fig.data[1].y) == pytest.approx([0.3, 1.4])
     assert fig.layout.barmode == "stack"
+
+
+def test_step_time_curve_compares_time_per_token_as_a_share_and_marks_a_point():
+    seconds = {"context 1,024": {1: 0.003, 16: 0.024}, "context 128": {1: 0.002, 16: 0.006}}
+    fig = lk.viz.step_time_curve(seconds, relative=True, title="Two contexts")
+    assert list(fig.data[1].y) == pytest.approx([1, 0.5])  # 24/16 ms a token against 3
+    assert list(fig.data[3].y) == pytest.approx([1, 0.1875])  # 6/16 against 2
+    assert fig.layout.yaxis2.title.text.startswith("per token, share") and fig.layout.title.text == "Two contexts"
+    marked = lk.viz.step_time_curve({"B = 8": {64: 0.003, 2048: 0.025}}, against="context", marks={"216": 216})
+    assert [(s.x0, s.line.dash) for s in marked.layout.shapes] == [(216, "dot")]
+    assert [a.text for a in marked.layout.annotations] == ["216"]
+    with pytest.raises(ValueError, match="relative = True: needs against = 'batch size'"):
+        lk.viz.step_time_curve({"B = 8": {64: 0.003}}, against="context", relative=True)

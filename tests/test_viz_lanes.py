@@ -19,6 +19,15 @@ def test_the_timeline_draws_host_device_and_idle_stretches():
     assert list(host.base) == [0, 7, 14] and list(host.x) == [2, 2, 2]
     assert list(device.base) == [2, 9, 16] and list(device.x) == [5, 5, 5]
     assert list(idle.base) == [0, 7, 14] and list(idle.x) == [2, 2, 2]  # the device waits for each step's host work
+    assert list(device.customdata) == [7, 14, 21]  # each bar's end, for its hover
+    assert "%{base:.2f} to %{customdata:.2f} ms (%{x:.2f} ms)" in device.hovertemplate
+
+
+def test_each_device_row_is_labelled_with_its_idle_share():
+    fig = lk.viz.lane_timeline({"turns": two_lanes(2.0, 5.0, 5, overlap=False),
+                                "ahead": two_lanes(2.0, 5.0, 5, overlap=True)})
+    labels = {label.y: label.text for label in fig.layout.annotations}
+    assert labels == {"turns: device": "device idle 29%", "ahead: device": "device idle 7%"}  # 10/35, 2/27
 
 
 def test_overlap_leaves_only_the_first_gap():
@@ -45,6 +54,8 @@ def test_the_explorer_follows_its_sliders():
     assert explorer.summary.value.startswith("without overlap a step takes 10.0 ms")
     device, = traces_by(explorer.figure, "device work", "with overlap: device")
     assert list(device.base) == [5, 10, 15]  # host-bound: the device starts as each step's host work ends
+    assert list(device.customdata) == [10, 15, 20]
+    assert [label.text for label in explorer.figure.layout.annotations] == ["device idle 50%", "device idle 25%"]  # 15/30, 5/20
 
 
 def test_the_speedup_curve_peaks_at_two_where_host_equals_device():

@@ -21,6 +21,9 @@ Invariants:
 
 from __future__ import annotations
 
+import ctypes
+import hashlib
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,12 +43,35 @@ def greedy(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
+HostWork = Callable[[float], None]  # `seconds` of host work: busy_python, busy_native, sleep_holding_lock, time.sleep
+_HASHED = bytes(1 << 18)  # 256 KiB: about 0.15 ms of hashing a call, the interpreter lock released
+
+
 def busy_python(seconds: float) -> None:
-    """Run Python bytecode for `seconds`, holding the interpreter lock as a slow scheduler
-    would (sleeping would release it, and cost the process nothing)."""
+    """Run Python bytecode for `seconds`: a core kept busy and the interpreter lock held, as
+    a slow scheduler written in Python holds them."""
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
         pass
+
+
+def busy_native(seconds: float) -> None:
+    """Run native code for `seconds`: a core kept busy with the interpreter lock released
+    (hashlib releases it while it hashes more than 2,047 bytes, and takes it back for a moment
+    between hashes), as a scheduler in C++ would."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        hashlib.sha256(_HASHED).digest()
+
+
+def sleep_holding_lock(seconds: float) -> None:
+    """Sleep for `seconds` without releasing the interpreter lock: the lock held and no core.
+    The C library's sleep is called through `ctypes.PyDLL`, which keeps the lock during the
+    call (POSIX `usleep` in microseconds; Windows' `Sleep` in milliseconds)."""
+    if sys.platform == "win32":
+        ctypes.PyDLL("kernel32").Sleep(round(seconds * 1e3))
+    else:
+        ctypes.PyDLL(None).usleep(round(seconds * 1e6))
 
 
 @dataclass(frozen=True)
@@ -68,14 +94,17 @@ class ModelRunner:
     prompt(index): the begin-of-sequence token and the prompt ids of the request at that index.
     graphs: CUDA graphs to replay pure decode steps from (None: every step runs eagerly).
     sample: picks each emitting row's token (greedy by default).
-    extra_host_seconds: busy Python work added to every step's preparation, a knob to make
-    the host's share large on purpose.
+    extra_host_seconds: host work added to every step's preparation, a knob to make the
+    host's share large on purpose; extra_host_work does it (busy Python by default, holding a
+    core and the interpreter lock; `busy_native` holds the core only, `sleep_holding_lock` the
+    lock only, `time.sleep` neither).
     """
 
     def __init__(self, model: TinyGPT, cache: PagedKVCache, prompt: Callable[[int], list[int]],
-                 graphs: DecodeGraphs | None = None, sample: Sampler = greedy, extra_host_seconds: float = 0.0):
+                 graphs: DecodeGraphs | None = None, sample: Sampler = greedy, extra_host_seconds: float = 0.0,
+                 extra_host_work: HostWork = busy_python):
         self.model, self.cache, self.prompt, self.graphs, self.sample = model, cache, prompt, graphs, sample
-        self.extra_host_seconds = extra_host_seconds
+        self.extra_host_seconds, self.extra_host_work = extra_host_seconds, extra_host_work
         self.device = cache.k.device
         self.sequences: dict[int, list[int]] = {}  # request index -> its tokens so far
 
@@ -90,7 +119,8 @@ class ModelRunner:
 
     def prepare(self, batch: Batch) -> PreparedStep:
         """The step's inputs: the batch's rows, then its padding (finished requests, 0 new tokens)."""
-        busy_python(self.extra_host_seconds)
+        if self.extra_host_seconds:
+            self.extra_host_work(self.extra_host_seconds)
         rows = [*batch.rows, *((request, 0) for request in batch.padding)]
         new_tokens, starts = [], []
         for request, num_tokens in rows:

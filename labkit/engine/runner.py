@@ -46,10 +46,11 @@ from labkit.engine.cuda_graphs import DecodeGraphs
 from labkit.engine.device import default_threads, resolve_device, torch_threads
 from labkit.engine.kv import PagedKVCache
 from labkit.engine.model import TinyGPT
-from labkit.engine.model_runner import ModelRunner, Sampler, greedy
+from labkit.engine.model_runner import HostWork, ModelRunner, Sampler, busy_python, greedy
 from labkit.engine.overlap import OverlappedRunner
 from labkit.engine.steps import TimedRunner
-from labkit.engine.timing import decode_step_parts, decode_step_seconds
+from labkit.engine.timing import (count_step_operations, decode_step_parts, decode_step_seconds,
+                                  linear_layers_seconds)
 from labkit.sched import BlockPool, StepLog
 from labkit.sched.driver import drive
 from labkit.sched.overlap import drive_overlapped
@@ -65,7 +66,7 @@ def sequence_lengths(trace: Trace) -> np.ndarray:
     return trace.prompt_lengths + trace.output_lengths
 
 
-def _check_knobs(threads, dtype, overlap, extra_host_seconds) -> None:
+def _check_knobs(threads, dtype, overlap, extra_host_seconds, extra_host_work) -> None:
     """A ValueError naming the first of an Engine's knobs that has a value it cannot take."""
     whole_number("threads", threads, or_none=True)
     if dtype not in DTYPES:
@@ -74,6 +75,9 @@ def _check_knobs(threads, dtype, overlap, extra_host_seconds) -> None:
     if isinstance(extra_host_seconds, bool) or not isinstance(extra_host_seconds, (int, float)) or not (
             0 <= extra_host_seconds < 1):
         raise ValueError(f"extra_host_seconds = {extra_host_seconds!r}: must be a number of seconds in [0, 1)")
+    if not callable(extra_host_work):
+        raise ValueError(f"extra_host_work = {extra_host_work!r}: must be a function of seconds, such as "
+                         "busy_python, busy_native or time.sleep")
 
 
 class Engine:
@@ -81,17 +85,21 @@ class Engine:
 
     def __init__(self, config: ModelConfig | None = None, device: str = "auto", seed: int = 0,
                  model: TinyGPT | None = None, threads: int | None = None, dtype: str = "float32",
-                 cuda_graphs: bool = True, overlap: bool = False, extra_host_seconds: float = 0.0):
+                 cuda_graphs: bool = True, overlap: bool = False, extra_host_seconds: float = 0.0,
+                 extra_host_work: HostWork = busy_python):
         """threads: torch's intra-op CPU threads while the engine works; by default every
         CPU but one (`labkit.engine.device.default_threads` says why).
         dtype: "float32" (the default, for exact comparisons), "bfloat16" or "float16".
         cuda_graphs: on a CUDA device, replay decode steps from CUDA graphs
         (`labkit.engine.cuda_graphs`); ignored elsewhere.
         overlap: schedule and prepare step t+1 while step t runs (`labkit.engine.overlap`).
-        extra_host_seconds: busy Python work added to every step's host side, a knob to make
-        the host's share large on purpose (`labkit.engine.model_runner.busy_python`).
+        extra_host_seconds: host work added to every step's host side, a knob to make the
+        host's share large on purpose.
+        extra_host_work: what that work is (`labkit.engine.model_runner`): `busy_python` (the
+        default) holds a core and the interpreter lock, `busy_native` a core only,
+        `sleep_holding_lock` the lock only, `time.sleep` neither.
         """
-        _check_knobs(threads, dtype, overlap, extra_host_seconds)
+        _check_knobs(threads, dtype, overlap, extra_host_seconds, extra_host_work)
         self.device = resolve_device(device)
         self.dtype_name, self.dtype = dtype, DTYPES[dtype]
         self.model = (model or TinyGPT(config or ModelConfig(), seed=seed)).to(self.device, self.dtype).eval()
@@ -101,11 +109,14 @@ class Engine:
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         self.overlap = overlap
         self.extra_host_seconds = float(extra_host_seconds)
+        self.extra_host_work = extra_host_work
 
     def __repr__(self) -> str:
+        extra = f", extra_host_seconds={self.extra_host_seconds}" if self.extra_host_seconds else ""
+        if self.extra_host_work is not busy_python:
+            extra += f", extra_host_work={getattr(self.extra_host_work, '__name__', self.extra_host_work)}"
         return (f"Engine({self.config}, device={str(self.device)!r}, seed={self.seed}, threads={self.threads}, "
-                f"dtype={self.dtype_name!r}, cuda_graphs={self.cuda_graphs}, overlap={self.overlap}"
-                f"{f', extra_host_seconds={self.extra_host_seconds}' if self.extra_host_seconds else ''})")
+                f"dtype={self.dtype_name!r}, cuda_graphs={self.cuda_graphs}, overlap={self.overlap}{extra})")
 
     def prompt_ids(self, request_id: int, prompt_len: int) -> list[int]:
         """The begin-of-sequence token and `prompt_len` prompt ids drawn from (seed, request id)."""
@@ -140,7 +151,8 @@ class Engine:
         if the engine uses them; `prompt(index)`: BOS and the prompt of the request at `index`."""
         cache = PagedKVCache(self.config, blocks.num_blocks, blocks.block_size, self.device, self.dtype)
         graphs = DecodeGraphs(self.model, cache) if self.cuda_graphs else None
-        return ModelRunner(self.model, cache, prompt, graphs, sample, self.extra_host_seconds)
+        return ModelRunner(self.model, cache, prompt, graphs, sample, self.extra_host_seconds,
+                           self.extra_host_work)
 
     def prompt(self, trace: Trace, index: int) -> list[int]:
         """BOS and the prompt of the request at `index` in `trace`: the trace's ids if it has them,
@@ -149,14 +161,25 @@ class Engine:
             return [self.config.bos_token_id, *trace.prompt_tokens[index].tolist()]
         return self.prompt_ids(int(trace.ids[index]), int(trace.prompt_lengths[index]))
 
-    def time_decode_step(self, batch_size: int, context_len: int = 128, repeats: int = 5, block_size: int = 16) -> float:
-        """Median seconds of one decode step of `batch_size` requests, each `context_len` tokens deep."""
-        return decode_step_seconds(self, batch_size, context_len, repeats, block_size)
+    def time_decode_step(self, batch_size: int, context_len: int = 128, repeats: int = 5, block_size: int = 16,
+                         cpu_time: bool = False) -> float:
+        """Median seconds of one decode step of `batch_size` requests, each `context_len` tokens deep;
+        with `cpu_time`, CPU seconds (`labkit.engine.timing` says why)."""
+        return decode_step_seconds(self, batch_size, context_len, repeats, block_size, cpu_time)
 
     def decode_step_parts(self, batch_size: int, context_len: int = 128, repeats: int = 5) -> dict[str, float]:
         """Median seconds of a decode step and of its GEMMs, its attention and everything else
         (`labkit.engine.timing` says how each is measured)."""
         return decode_step_parts(self, batch_size, context_len, repeats)
+
+    def time_linear_layers(self, rows: int, passes: int = 1, repeats: int = 5, cpu_time: bool = False) -> float:
+        """Median seconds of the step's linear layers over `rows` rows in `passes` passes (each
+        pass reads every weight); with `cpu_time`, CPU seconds."""
+        return linear_layers_seconds(self, rows, passes, repeats, cpu_time)
+
+    def count_step_operations(self, batch_size: int, context_len: int = 128) -> int:
+        """Operations one eager decode step asks the framework for."""
+        return count_step_operations(self, batch_size, context_len)
 
     def fits(self, trace: Trace) -> np.ndarray:
         """bool per request: whether its whole sequence fits the model's `max_seq_len`."""

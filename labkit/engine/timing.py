@@ -10,8 +10,16 @@ that many tokens. Its time splits three ways:
 - everything else: the rest of the step (norms, rotary positions, KV writes, the
   embedding, and the framework's per-operation overhead), by subtraction.
 
+Two measurements change one cause of that cost alone: `linear_layers_seconds` runs the
+same rows through the linear layers in one pass or in several (each pass reads every
+weight), and `count_step_operations` counts the operations a step asks the framework for
+(run a model of tiny widths to time them with next to no work).
+
 Invariants: every time is the median of `repeats` calls after one warm-up call, measured
 under the engine's thread count, with the device synchronised before the clock is read.
+The clock is the wall clock, or with `cpu_time=True` (CPU engines only) the CPU time the
+process spends, which other programs cannot inflate by taking the CPU away: with one
+thread that is the call's own time, with more the sum over its threads.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from labkit.engine.cuda_graphs import DecodeGraphs
 from labkit.engine.device import torch_threads
 from labkit.engine.kv import PagedKVCache
 from labkit.engine.model import StepBatch
+from labkit.checks import whole_number
 from labkit.sched.blocks import num_blocks_for
 
 
@@ -54,14 +63,18 @@ class DeviceTimer:
         return end - start
 
 
-def _median_seconds(call, device: torch.device, repeats: int) -> float:
+def _median_seconds(call, device: torch.device, repeats: int, cpu_time: bool = False) -> float:
+    if cpu_time and device.type != "cpu":
+        raise ValueError(f"cpu_time = True: the engine runs on {device.type}, whose work is not this process's "
+                         "CPU time; time it on the wall clock")
+    clock = time.process_time if cpu_time else time.perf_counter
     timings = []
     for _ in range(repeats + 1):  # the first call warms up (and captures a CUDA graph)
-        start = time.perf_counter()
+        start = clock()
         call()
         if device.type == "cuda":
             torch.cuda.synchronize()
-        timings.append(time.perf_counter() - start)
+        timings.append(clock() - start)
     return float(np.median(timings[1:]))
 
 
@@ -78,17 +91,18 @@ def _decode_step(engine, context_lens: list[int], block_size: int) -> tuple[Page
 
 
 def decode_step_seconds(engine, batch_size: int, context_len: int = 128, repeats: int = 5,
-                        block_size: int = 16) -> float:
+                        block_size: int = 16, cpu_time: bool = False) -> float:
     """Median seconds of one decode step, as the engine runs it (from a CUDA graph where it uses them)."""
-    return ragged_decode_step_seconds(engine, [context_len] * batch_size, repeats, block_size)
+    return ragged_decode_step_seconds(engine, [context_len] * batch_size, repeats, block_size, cpu_time)
 
 
-def ragged_decode_step_seconds(engine, context_lens: list[int], repeats: int = 5, block_size: int = 16) -> float:
+def ragged_decode_step_seconds(engine, context_lens: list[int], repeats: int = 5, block_size: int = 16,
+                               cpu_time: bool = False) -> float:
     """Median seconds of one decode step of requests `context_lens[i]` tokens deep each, as the engine runs it."""
     cache, batch = _decode_step(engine, context_lens, block_size)
     step = DecodeGraphs(engine.model, cache) if engine.cuda_graphs else functools.partial(engine.model, cache=cache)
     with torch.inference_mode(), torch_threads(engine.threads):
-        return _median_seconds(lambda: step(batch), engine.device, repeats)
+        return _median_seconds(lambda: step(batch), engine.device, repeats, cpu_time)
 
 
 def decode_step_parts(engine, batch_size: int, context_len: int = 128, repeats: int = 5,
@@ -96,14 +110,8 @@ def decode_step_parts(engine, batch_size: int, context_len: int = 128, repeats: 
     """Median seconds of an eager decode step and of its parts: "step", "GEMMs", "attention", "other"."""
     model, config = engine.model, engine.config
     cache, batch = _decode_step(engine, [context_len] * batch_size, block_size)
-    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]  # the step's, in order
-    inputs = {m.in_features: torch.randn(batch_size, m.in_features, device=engine.device, dtype=engine.dtype)
-              for m in linears}
+    gemms = _linear_layers(engine, batch_size)
     q = torch.randn(batch_size, config.n_heads, config.head_dim, device=engine.device, dtype=engine.dtype)
-
-    def gemms():
-        for linear in linears:
-            F.linear(inputs[linear.in_features], linear.weight)
 
     def attention():
         plan = plan_attention(config.attention, batch.num_new, batch.context_lens, batch.block_tables, block_size,
@@ -116,3 +124,54 @@ def decode_step_parts(engine, batch_size: int, context_len: int = 128, repeats: 
                  for name, call in (("step", lambda: model(batch, cache)), ("GEMMs", gemms), ("attention", attention))}
     parts["other"] = parts["step"] - parts["GEMMs"] - parts["attention"]
     return parts
+
+
+def linear_layers_seconds(engine, rows: int, passes: int = 1, repeats: int = 5, cpu_time: bool = False) -> float:
+    """Median seconds of the step's linear layers over `rows` rows, in `passes` passes of
+    rows / passes rows each: the same rows and arithmetic, with every weight read once a pass.
+    One pass is the GEMMs of `decode_step_parts`."""
+    whole_number("rows", rows)
+    whole_number("passes", passes)
+    if rows % passes:
+        raise ValueError(f"passes = {passes}: must divide rows = {rows}")
+    layers = _linear_layers(engine, rows // passes)
+
+    def all_passes():
+        for _ in range(passes):
+            layers()
+
+    with torch.inference_mode(), torch_threads(engine.threads):
+        return _median_seconds(all_passes, engine.device, repeats, cpu_time)
+
+
+def count_step_operations(engine, batch_size: int, context_len: int = 128, block_size: int = 16) -> int:
+    """Operations one eager decode step of `batch_size` requests, each `context_len` tokens
+    deep, asks the framework for (torch's dispatcher calls, views included)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Counter(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += 1
+            return func(*args, **(kwargs or {}))
+
+    cache, batch = _decode_step(engine, [context_len] * batch_size, block_size)
+    counter = Counter()
+    with torch.inference_mode(), counter:
+        engine.model(batch, cache)
+    return counter.count
+
+
+def _linear_layers(engine, rows: int):
+    """A call that runs the step's linear layers, in order (per layer qkv, o, gate_up, down;
+    then the LM head), on `rows` rows of random input."""
+    linears = [m for m in engine.model.modules() if isinstance(m, torch.nn.Linear)]
+    inputs = {m.in_features: torch.randn(rows, m.in_features, device=engine.device, dtype=engine.dtype)
+              for m in linears}
+
+    def run():
+        for linear in linears:
+            F.linear(inputs[linear.in_features], linear.weight)
+
+    return run

@@ -1,5 +1,5 @@
-"""Lesson 04's check yourself: where a wider TinyGPT's reads of keys and values pass its
-reads of weights (q1), and what 64 rows at a long context cost on a weight-bound GPU (q2).
+"""Lesson 04's check yourself: past what context a wider TinyGPT's step reads more bytes of
+keys and values than of weights (q1), and what 64 rows at a long context cost on a weight-bound GPU (q2).
 
 Invariants: q1 counts the weights of a TinyGPT built with the question's sizes (so it
 imports torch when it grades), as the lesson counts its own; q2 prices steps with
@@ -21,46 +21,63 @@ BYTES_PER_VALUE = 4  # fp32, as TinyGPT runs on this CPU
 @dataclass(frozen=True)
 class KVCrossover(Question):
     """A TinyGPT of width `d_model` and MLP width `d_ff` decodes `batch_size` requests: past
-    how many tokens of context do a step's reads of keys and values pass its weights'?"""
+    how many tokens of context does a step read more bytes of keys and values than of weights?"""
 
     d_model: int
     d_ff: int
     batch_size: int
     answer_format = "a number of tokens, e.g. 300"
 
-    def sizes(self) -> tuple[int, int]:
-        """(bytes of linear weights, bytes of keys and values per token of context)."""
+    def sizes(self) -> dict[str, int]:
+        """Bytes of the linear layers' weights ("weights"), of the LM head among them ("lm_head"),
+        of the embedding table, which no GEMM reads ("embedding"), and of the keys and values
+        of one token of context ("kv")."""
         import torch
 
         from labkit.engine import ModelConfig, TinyGPT
 
         model = TinyGPT(ModelConfig(d_model=self.d_model, d_ff=self.d_ff), seed=0)
         weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
-        return BYTES_PER_VALUE * weights, 2 * model.config.n_layers * model.config.d_model * BYTES_PER_VALUE
+        return {"weights": BYTES_PER_VALUE * weights, "lm_head": BYTES_PER_VALUE * model.lm_head.weight.numel(),
+                "embedding": BYTES_PER_VALUE * model.model.embed_tokens.weight.numel(),
+                "kv": 2 * model.config.n_layers * model.config.d_model * BYTES_PER_VALUE}
+
+    def crossover(self, weight_bytes: float, size: dict[str, int]) -> float:
+        """Tokens of context at which `batch_size` requests' keys and values weigh `weight_bytes`."""
+        return weight_bytes / (self.batch_size * size["kv"])
 
     def expected(self) -> float:
-        weight_bytes, kv_bytes = self.sizes()
-        return weight_bytes / (self.batch_size * kv_bytes)
+        size = self.sizes()
+        return self.crossover(size["weights"], size)
 
     def grade(self, answer):
         tokens = real_number(answer, "tokens")
-        expected = self.expected()
-        if math.isclose(tokens, expected, rel_tol=0.01):
-            weight_bytes, kv_bytes = self.sizes()
-            return correct(f"{weight_bytes / 1e6:.1f} MB of weights / ({self.batch_size} × {kv_bytes:,} bytes) = "
+        size = self.sizes()
+        expected = self.crossover(size["weights"], size)
+        if math.isclose(tokens, expected, rel_tol=0.005):
+            return correct(f"{size['weights'] / 1e6:.1f} MB of weights / ({self.batch_size} × {size['kv']:,} bytes) = "
                            f"{expected:,.0f} tokens: the weights grew with the square of the width, keys and values "
-                           "only with the width, so the crossover moved out.")
-        weight_bytes, kv_bytes = self.sizes()
-        mistakes = [
-            (weight_bytes / kv_bytes, f"that is the crossover for one request; {self.batch_size} requests read "
-                                      f"{self.batch_size} contexts, so divide by {self.batch_size} too."),
+                           "only with the width, so the crossover in bytes moved out.")
+        for candidate, message in self.slips(size, expected):
+            if math.isclose(tokens, candidate, rel_tol=0.005):
+                return incorrect(f"{tokens:,.0f}: {message}")
+        return incorrect(f"{tokens:,.0f} is not it. {self.hint_text()}")
+
+    def slips(self, size: dict[str, int], expected: float) -> list[tuple[float, str]]:
+        """(the answer a likely slip gives, what the slip was), nearest answers first."""
+        return [
+            (self.crossover(size["weights"] - size["lm_head"], size),
+             f"that leaves out the LM head ({size['lm_head'] // BYTES_PER_VALUE:,} weights, vocab × d_model): it is a "
+             "linear layer too, and every step reads it."),
+            (self.crossover(size["weights"] + size["embedding"], size),
+             f"that counts the embedding table ({size['embedding'] // BYTES_PER_VALUE:,} weights) as well: a step "
+             "looks up one row of it per token and never reads the rest, so it is not a GEMM's weight read."),
+            (self.batch_size * expected,
+             f"that is the crossover for one request; {self.batch_size} requests read {self.batch_size} contexts, so "
+             f"divide by {self.batch_size} too."),
             (2 * expected, "every layer caches a key *and* a value per token: twice d_model values."),
             (expected / 2, "keys and values are counted twice: 2 × layers × d_model × 4 bytes a token, no more."),
         ]
-        for candidate, message in mistakes:
-            if math.isclose(tokens, candidate, rel_tol=0.01):
-                return incorrect(f"{tokens:,.0f}: {message}")
-        return incorrect(f"{tokens:,.0f} is not it. {self.hint_text()}")
 
     def hint_text(self) -> str:
         return ("Count the linear weights at the new width (4 projections of d_model × d_model and 3 MLP matrices "
@@ -68,10 +85,10 @@ class KVCrossover(Question):
                 "holds a key and a value of d_model per layer. The crossover is weight bytes / (B × KV bytes a token).")
 
     def solution_text(self) -> str:
-        weight_bytes, kv_bytes = self.sizes()
-        return (f"weights: {weight_bytes:,} bytes; keys and values: {kv_bytes:,} bytes a token; "
-                f"{weight_bytes:,} / ({self.batch_size} × {kv_bytes:,}) = {self.expected():,.0f}. "
-                f"answer = {self.expected():.0f}")
+        size = self.sizes()
+        tokens = self.crossover(size["weights"], size)
+        return (f"weights: {size['weights']:,} bytes; keys and values: {size['kv']:,} bytes a token; "
+                f"{size['weights']:,} / ({self.batch_size} × {size['kv']:,}) = {tokens:,.0f}. answer = {tokens:.0f}")
 
 
 @dataclass(frozen=True)

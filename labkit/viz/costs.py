@@ -14,15 +14,22 @@ from labkit.viz.figures import GRID, request_color
 
 AXES = {"batch size": "batch size (requests per step)", "context": "context (tokens in each request's cache)"}
 PARTS = ("GEMMs", "attention", "other")
+PER_TOKEN = {False: "ms per token", True: "per token, share of the smallest batch's"}
 
 
-def step_time_curve(seconds: dict[str, dict[int, float]], against: str = "batch size") -> go.Figure:
+def step_time_curve(seconds: dict[str, dict[int, float]], against: str = "batch size", *,
+                    marks: dict[str, float] | None = None, relative: bool = False,
+                    title: str | None = None) -> go.Figure:
     """Measured step time, one curve per name (an attention layout, say), against batch size (on a
     log axis) or context (on a linear one). Against batch size, a second panel below shows each
-    curve's time per token, on a scale of its own, in the same colour."""
+    curve's time per token, on a scale of its own, in the same colour; with `relative`, as a
+    share of that curve's time per token at its smallest batch, so curves of different scales
+    compare. `marks` draws a dotted vertical line at each x, labelled with its name."""
     if against not in AXES:
         raise ValueError(f"against = {against!r}: must be one of {', '.join(AXES)}")
     per_token = against == "batch size"
+    if relative and not per_token:
+        raise ValueError("relative = True: needs against = 'batch size', where there is a time per token")
     fig = make_subplots(rows=1 + per_token, cols=1, shared_xaxes=True, vertical_spacing=0.1)
     for i, (name, by_x) in enumerate(seconds.items()):
         x, ms = np.array(list(by_x)), 1000 * np.array(list(by_x.values()))
@@ -30,9 +37,12 @@ def step_time_curve(seconds: dict[str, dict[int, float]], against: str = "batch 
         fig.add_trace(go.Scatter(x=x, y=ms, mode="lines+markers", name=f"{name}: ms per step", line_color=color),
                       row=1, col=1)
         if per_token:
-            fig.add_trace(go.Scatter(x=x, y=ms / x, mode="lines+markers", name=f"{name}: ms per token",
+            y = (ms / x) / (ms[0] / x[0]) if relative else ms / x
+            fig.add_trace(go.Scatter(x=x, y=y, mode="lines+markers", name=f"{name}: {PER_TOKEN[relative]}",
                                      line=dict(color=color, dash="dash")), row=2, col=1)
-    fig.update_layout(title=f"Decode step time against {against}", height=380 + 160 * per_token,
+    for label, x in (marks or {}).items():
+        fig.add_vline(x=x, line_dash="dot", line_color="grey", annotation_text=label, annotation_position="top left")
+    fig.update_layout(title=title or f"Decode step time against {against}", height=380 + 160 * per_token,
                       plot_bgcolor="white", showlegend=True)
     if per_token:  # batch sizes double: a log axis spaces them evenly
         fig.update_xaxes(type="log", tickvals=sorted({x for by_x in seconds.values() for x in by_x}))
@@ -42,7 +52,7 @@ def step_time_curve(seconds: dict[str, dict[int, float]], against: str = "batch 
     fig.update_xaxes(title=AXES[against], row=1 + per_token, col=1)
     fig.update_yaxes(title="ms per step", rangemode="tozero", gridcolor=GRID, row=1, col=1)
     if per_token:
-        fig.update_yaxes(title="ms per token", rangemode="tozero", gridcolor=GRID, row=2, col=1)
+        fig.update_yaxes(title=PER_TOKEN[relative], rangemode="tozero", gridcolor=GRID, row=2, col=1)
     return fig
 
 

@@ -1,7 +1,9 @@
 """Two-lane timelines, host above device, and what overlap buys.
 
 `lane_timeline` draws `labkit.analysis.lanes.Lanes`, laid out by `two_lanes` or measured by
-an engine (`Lanes.from_log`); the device's idle stretches (`idle_stretches`) are shaded.
+an engine (`Lanes.from_log`); the device's idle stretches (`idle_stretches`) are shaded, each
+bar's hover gives its start, end and length, and each device row is labelled with the share
+of the drawn span in which the device idles.
 `LaneExplorer` puts host and device sliders on the two-lane picture with and without
 overlap, under their arithmetic (`layout_summary`). `overlap_speedup_curve` plots
 (host + device) / max(host, device) against host time.
@@ -26,8 +28,13 @@ HOST_COLOR, DEVICE_COLOR, IDLE_COLOR = "#4C78A8", "#F58518", "rgba(228, 87, 86, 
 
 def _bars(stretches: np.ndarray, row: str, name: str, color: str, scale: float, legend: bool) -> go.Bar:
     return go.Bar(y=[row] * len(stretches), base=scale * stretches[:, 0], x=scale * (stretches[:, 1] - stretches[:, 0]),
-                  orientation="h", name=name, marker_color=color, legendgroup=name, showlegend=legend,
-                  hovertemplate=f"{name}: %{{base:.2f}} to %{{x:.2f}} ms long<extra></extra>")
+                  customdata=scale * stretches[:, 1], orientation="h", name=name, marker_color=color,
+                  legendgroup=name, showlegend=legend,
+                  hovertemplate=f"{name}: %{{base:.2f}} to %{{customdata:.2f}} ms (%{{x:.2f}} ms)<extra></extra>")
+
+
+def _idle_label(lanes: Lanes) -> str:
+    return f"device idle {lanes.device_idle_fraction:.0%}"
 
 
 def lane_timeline(panels: dict[str, Lanes], scale: float = 1.0, title: str = "Host and device, step by step") -> go.Figure:
@@ -39,9 +46,11 @@ def lane_timeline(panels: dict[str, Lanes], scale: float = 1.0, title: str = "Ho
         fig.add_trace(_bars(lanes.host, f"{name}: host", "host work", HOST_COLOR, scale, first))
         fig.add_trace(_bars(idle_stretches(lanes), f"{name}: device", "device idle", IDLE_COLOR, scale, first))
         fig.add_trace(_bars(lanes.device, f"{name}: device", "device work", DEVICE_COLOR, scale, first))
+        fig.add_annotation(x=1.0, xref="paper", xanchor="left", y=f"{name}: device", text=_idle_label(lanes),
+                           showarrow=False)
     rows = [f"{name}: {lane}" for name in panels for lane in ("host", "device")]
     fig.update_layout(title=title, barmode="overlay", height=140 + 55 * len(rows), plot_bgcolor="white",
-                      legend=dict(orientation="h", y=-0.25))
+                      legend=dict(orientation="h", y=-0.25), margin=dict(r=130))
     fig.update_yaxes(categoryorder="array", categoryarray=rows[::-1])
     fig.update_xaxes(title="milliseconds", gridcolor=GRID, rangemode="tozero")
     return fig
@@ -77,7 +86,9 @@ class LaneExplorer(widgets.VBox):
         fresh = lane_timeline(self._panels())
         with self.figure.batch_update():
             for trace, new in zip(self.figure.data, fresh.data):
-                trace.base, trace.x, trace.y = new.base, new.x, new.y
+                trace.base, trace.x, trace.y, trace.customdata = new.base, new.x, new.y, new.customdata
+            for label, new in zip(self.figure.layout.annotations, fresh.layout.annotations):
+                label.text = new.text
         self.summary.value = layout_summary(self.host.value, self.device.value)
 
 
