@@ -1,10 +1,13 @@
 """The viz layer: slot diagrams draw runs exactly, the stepper counts right and survives bad input."""
 
+import time
+
 import numpy as np
 import plotly.graph_objects as go
 import pytest
 
 import labkit as lk
+from labkit.viz.stepper import MAX_OUTPUT_LENGTH, MAX_REQUESTS, MAX_SLOTS
 from labkit.viz import (
     ScheduleStepper,
     harmonic_curves,
@@ -212,6 +215,11 @@ def test_progress_text_past_the_end_stays_at_the_end(toy_logs):
         ("", 2, "output_lengths is empty"),
         ("2, 6, 3, 8, 2, 4, 5, 2", 0, "num_slots = 0: must be a whole number >= 1"),
         (", ".join(["3"] * 201), 2, "201 requests is more than the stepper draws (at most 200)"),
+        ("1e9, 1", 2, "output_lengths[0] = 1,000,000,000: more tokens than the stepper draws for one request "
+                      "(at most 1,000)"),
+        ("2, 1001", 2, "output_lengths[1] = 1,001"),
+        ("inf", 2, "output_lengths[0] = inf"),
+        ("2, 6, 3, 8, 2, 4, 5, 2", 10**9, "num_slots = 1,000,000,000: more slots than the stepper draws (at most 200)"),
     ],
 )
 def test_invalid_input_shows_a_message_and_keeps_the_last_view(stepper, lengths, num_slots, message):
@@ -263,6 +271,15 @@ def test_stepper_repr_is_stable_and_dom_classes_are_set(stepper):
 def test_constructor_rejects_invalid_arguments():
     with pytest.raises(ValueError, match="num_slots"):
         ScheduleStepper(num_slots=0)
+    with pytest.raises(ValueError, match=r"output_lengths\[0\] = 10,000,000"):
+        ScheduleStepper(lengths=[10**7, 1])
+
+
+def test_the_largest_input_the_stepper_takes_is_quick():
+    started = time.perf_counter()
+    ScheduleStepper(lengths=[MAX_OUTPUT_LENGTH] * MAX_REQUESTS, num_slots=1)
+    ScheduleStepper(lengths=[MAX_OUTPUT_LENGTH, 1], num_slots=MAX_SLOTS)
+    assert time.perf_counter() - started < 20  # about 0.5 s on the lab's 2-core CPU; unbounded input took minutes
 
 
 def test_a_log_with_no_steps_yet_draws_an_empty_diagram():

@@ -6,6 +6,8 @@ Invariants:
   steps; a policy that has finished shows its whole schedule;
 - `self.logs`, `self.lengths`, `self.num_slots` and `self.equal_lengths` describe the
   last valid input; invalid input changes nothing but the error label, and never raises;
+- input is bounded (`MAX_REQUESTS` requests of at most `MAX_OUTPUT_LENGTH` tokens on at most
+  `MAX_SLOTS` slots), so no entry can stall the kernel or fill its memory;
 - stepping sends one batched update per figure and rebuilds nothing.
 
 DOM classes for browser tests: labkit-lengths, labkit-num-slots, labkit-equal,
@@ -29,6 +31,8 @@ from labkit.viz.figures import show_steps, slot_diagram
 POLICIES = (("static", Static), ("continuous", Continuous))
 PLAY_INTERVAL_MS = 500
 MAX_REQUESTS = 200  # the stepper is for traces you can read bar by bar
+MAX_OUTPUT_LENGTH = 1_000  # tokens a request: longer ones would cost seconds of simulation and memory, not insight
+MAX_SLOTS = 200  # more slots than the stepper has requests add only empty rows
 
 
 def parse_lengths(text: str) -> list[float]:
@@ -40,6 +44,24 @@ def parse_lengths(text: str) -> list[float]:
         except ValueError:
             raise ValueError(f"output lengths: {token!r} is not a number") from None
     return numbers
+
+
+def check_size(lengths, num_slots) -> None:
+    """Raise ValueError, naming the field and the value, for a trace too big to simulate and draw at once."""
+    if len(lengths) > MAX_REQUESTS:
+        raise ValueError(
+            f"output lengths: {len(lengths)} requests is more than the stepper draws (at most {MAX_REQUESTS}); "
+            "use lk.simulate and lk.viz.slot_diagram for bigger traces"
+        )
+    for position, length in enumerate(lengths):
+        if isinstance(length, (int, float, np.number)) and length > MAX_OUTPUT_LENGTH:  # the Trace rejects the rest
+            shown = f"{length:,.0f}" if np.isfinite(length) else repr(length)
+            raise ValueError(
+                f"output_lengths[{position}] = {shown}: more tokens than the stepper draws for one request (at most "
+                f"{MAX_OUTPUT_LENGTH:,}); use lk.simulate and lk.viz.slot_diagram for longer requests"
+            )
+    if isinstance(num_slots, (int, float, np.number)) and num_slots > MAX_SLOTS:
+        raise ValueError(f"num_slots = {num_slots:,}: more slots than the stepper draws (at most {MAX_SLOTS})")
 
 
 def lettered_trace(lengths) -> Trace:
@@ -131,11 +153,7 @@ class ScheduleStepper(widgets.VBox):
 
     def _simulate(self, lengths, num_slots, equal_lengths) -> None:
         """Set logs and inputs together, or raise ValueError and change nothing."""
-        if len(lengths) > MAX_REQUESTS:
-            raise ValueError(
-                f"output lengths: {len(lengths)} requests is more than the stepper draws (at most {MAX_REQUESTS}); "
-                "use lk.simulate and lk.viz.slot_diagram for bigger traces"
-            )
+        check_size(lengths, num_slots)
         trace = lettered_trace(lengths)
         shown = equalized(trace) if equal_lengths else trace
         logs = {name: simulate(shown, policy(num_slots=num_slots)) for name, policy in POLICIES}
