@@ -7,16 +7,19 @@ every token is one character and a text stream's chunks are tokens. Both get the
 where they have one (16-token KV blocks, 512 of them, 256 tokens a step; labkit's 8 slots
 have no transformers flag: it caps a batch at 1,024 requests by default) and one torch thread.
 A third server, labkit's with 24 slots (as many as the traffic has requests), takes the slot
-cap away. It measures each, taking turns, `--repeats` times:
+cap away. After a warm-up replay on each, it measures each, taking turns, `--repeats` times
+(default 5):
 
 - lesson 09's traffic: the first 24 Azure conversation requests that fit, outputs capped at
-  32 tokens, 32 times faster than they came (tokens/s, TTFT, ITL);
-- a lone request (a 16-token prompt, 64 tokens out): its median ITL is one decode step of one
-  request on each server, with nothing else to schedule;
-- eight such requests sent at once: their median ITL is a decode step of eight.
+  32 tokens, at twice the capacity `labkit serve --slots 8` shows in that round (every request
+  sent at once, as the lesson measures it), the same arrivals for all three servers
+  (tokens/s, TTFT, ITL);
+- a lone request (a 16-token prompt, 64 tokens out): its median ITL, over HTTP, with nothing
+  else to schedule: one request's decode step plus each server's streaming path;
+- eight such requests sent at once: their median ITL, the same with eight in a step.
 
 Results go to benchmarks/results/servers-<device>.json; lesson 09 quotes their range.
-Run: `python benchmarks/bench_servers.py` (about a minute on a 2-core CPU).
+Run: `python benchmarks/bench_servers.py` (about three minutes on a 2-core CPU).
 """
 
 import argparse
@@ -25,10 +28,8 @@ import json
 import os
 import platform
 import tempfile
-from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
 import torch
 import transformers
 
@@ -41,21 +42,32 @@ RESULTS = Path(__file__).resolve().parent / "results"
 CONFIG = ModelConfig(vocab_size=128)  # TinyGPT's shape, ASCII bytes only
 KNOBS = ["--blocks", "512", "--block-size", "16", "--budget", "256", "--chunked-prefill"]
 SLOTS, NO_CAP = 8, 24  # labkit's slot cap in lesson 09, and one that never binds on its 24 requests
+LOAD = 2  # lesson 09's load: twice the capacity labkit serve --slots 8 shows
 
 
 def lesson_trace() -> lk.Trace:
-    """Lesson 09's traffic, before its rate scale: 24 Azure conversation requests, outputs capped at 32."""
-    azure = lk.Trace.azure_conv()
-    fits = np.flatnonzero(azure.prompt_lengths + np.minimum(azure.output_lengths, 32) <= CONFIG.max_seq_len)[:24]
-    trace = azure.select(fits)
-    return replace(trace, output_lengths=np.minimum(trace.output_lengths, 32))
+    """Lesson 09's traffic, before its load is set: 24 Azure conversation requests, outputs capped at 32."""
+    trace, _ = lk.Trace.azure_conv().capped(32).first_that_fit(24, CONFIG.max_seq_len)
+    return trace
 
 
-def measure(server, directory: str) -> dict:
-    """One replay of the lesson's traffic and one lone request against `server`."""
-    replay = dict(url=server.url, model=server.model, tokenizer=directory, vocab_size=CONFIG.vocab_size,
-                  progress=False)
-    log = lk.replay(lesson_trace(), rate_scale=32, **replay)
+def replay_options(server, directory: str) -> dict:
+    return dict(url=server.url, model=server.model, tokenizer=directory, vocab_size=CONFIG.vocab_size, progress=False)
+
+
+def lesson_traffic(server, directory: str) -> tuple[lk.Trace, float]:
+    """The lesson's traffic at LOAD times the capacity `server` shows now, and that capacity (requests/s)."""
+    trace = lesson_trace()
+    probe = lk.replay(trace.backlogged(), **replay_options(server, directory))
+    assert not probe.failures, probe.failures
+    served = len(trace) / probe.duration
+    return trace.at_rate(LOAD * served), served
+
+
+def measure(server, directory: str, traffic: lk.Trace) -> dict:
+    """One replay of `traffic`, a lone request and eight at once against `server`."""
+    replay = replay_options(server, directory)
+    log = lk.replay(traffic, **replay)
     lone = lk.replay(lk.Trace.from_lengths([64], prompt_lengths=[16]), **replay)
     eight = lk.replay(lk.Trace.from_lengths([64] * 8, prompt_lengths=[16] * 8), **replay)
     assert not (log.failures or lone.failures or eight.failures), (log.failures, lone.failures, eight.failures)
@@ -67,7 +79,7 @@ def measure(server, directory: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="tinygpt-llama-") as directory:
         save_llama_dir(directory, CONFIG, seed=0)
@@ -79,14 +91,19 @@ def main() -> None:
                        "transformers serve": theirs}
             for server in servers.values():
                 server.wait_until_healthy()
-            runs = {name: [] for name in servers}
+                lk.replay(lesson_trace().backlogged(), **replay_options(server, directory))  # warm-up, not kept
+            runs, loads = {name: [] for name in servers}, []
             for _ in range(args.repeats):
+                traffic, served = lesson_traffic(ours, directory)
+                loads.append({"capacity_rps": served, "rate_rps": LOAD * served})
+                print("load", loads[-1], flush=True)
                 for name, server in servers.items():
-                    runs[name].append(measure(server, directory))
+                    runs[name].append(measure(server, directory, traffic))
                     print(name, runs[name][-1], flush=True)
     result = {"date": datetime.date.today().isoformat(), "processor": platform.machine(),
               "cpus": os.cpu_count(), "torch": torch.__version__, "transformers": transformers.__version__,
-              "knobs": " ".join(KNOBS), "runs": runs,
+              "knobs": " ".join(KNOBS), "load": f"{LOAD} x the capacity of labkit serve --slots {SLOTS}",
+              "loads": loads, "runs": runs,
               "range": {name: {key: [min(r[key] for r in rows), max(r[key] for r in rows)] for key in rows[0]}
                         for name, rows in runs.items()}}
     RESULTS.mkdir(exist_ok=True)

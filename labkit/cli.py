@@ -19,8 +19,6 @@ import csv
 import sys
 from pathlib import Path
 
-import numpy as np
-
 import labkit as lk
 from labkit.analysis import metrics
 from labkit.args import (MEAN_OUTPUT, MEAN_PROMPT, positive_number, recorded_trace, sampled_trace, trace_error,
@@ -194,10 +192,7 @@ def load_trace(args: argparse.Namespace, engine: Engine) -> tuple[lk.Trace, str]
 
 def first_that_fit(trace: lk.Trace, num_requests: int, engine: Engine) -> tuple[lk.Trace, int]:
     """The first `num_requests` requests of `trace` that the model can hold, and how many were skipped."""
-    fits = np.flatnonzero(engine.fits(trace))[:num_requests]
-    if fits.size == 0:
-        raise ValueError(f"no request has prompt + output <= max_seq_len {engine.config.max_seq_len}")
-    return trace.select(fits), int(fits[-1]) + 1 - fits.size
+    return trace.first_that_fit(num_requests, engine.config.max_seq_len)
 
 
 def serve(engine: Engine, trace: lk.Trace, num_slots: int, progress: bool) -> dict[str, lk.StepLog]:

@@ -248,6 +248,25 @@ class Trace:
         """The same requests with these priorities, one whole number each (lower is served first)."""
         return replace(self, priorities=priorities)
 
+    def capped(self, max_output: int) -> Trace:
+        """The same requests, each output cut to at most `max_output` tokens."""
+        whole_number("max_output", max_output)
+        return replace(self, output_lengths=np.minimum(self.output_lengths, max_output))
+
+    def first_that_fit(self, num_requests: int, max_len: int | None) -> tuple[Trace, int]:
+        """The first `num_requests` requests whose prompt + output fit in `max_len` tokens (a model's
+        context, as vLLM's max_model_len and labkit's max_seq_len count it; None: no limit), and
+        how many longer ones came before the last of them and were left out."""
+        whole_number("num_requests", num_requests)
+        whole_number("max_len", max_len, or_none=True)
+        fits = np.arange(len(self)) if max_len is None else np.flatnonzero(
+            self.prompt_lengths + self.output_lengths <= max_len)
+        fits = fits[:num_requests]
+        if fits.size == 0:
+            raise ValueError(f"max_len = {max_len}: no request has prompt + output <= {max_len} tokens "
+                             f"(the shortest has {int((self.prompt_lengths + self.output_lengths).min())})")
+        return self.select(fits), int(fits[-1]) + 1 - fits.size
+
     def select(self, positions) -> Trace:
         """The requests at these positions, keeping their ids and labels."""
         positions = np.atleast_1d(np.asarray(positions))

@@ -95,7 +95,7 @@ def test_bad_option_is_one_error_line(argv, message, capsys):
 
 @pytest.mark.parametrize("rows, message", [
     (["2023-11-16 18:15:46,12,seven"], "bad row at line 2"),
-    (["2023-11-16 18:15:46,3000,5"], "no request has prompt + output <= max_seq_len 2048"),
+    (["2023-11-16 18:15:46,3000,5"], "no request has prompt + output <= 2048 tokens (the shortest has 3005)"),
 ])
 def test_bad_csv_is_one_error_line(tmp_path, rows, message, capsys):
     path = write_csv(tmp_path / "bad.csv", rows)

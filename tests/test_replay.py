@@ -3,8 +3,9 @@ failures of every kind, the fallbacks for a server that refuses vLLM's extension
 prompts, text prompts of an exact length, Ctrl-C, a running event loop, and the `labkit replay`
 command. (tests/test_replay_transformers_serve.py replays against a real server that refuses them.)
 
-The stand-in follows the server contract (a chunk per token, token ids counting up from 0, a
-usage chunk, [DONE], /metrics with vLLM's gauges) and misbehaves on request: each test picks
+The stand-in follows the server contract as vLLM keeps it (a chunk per token, with token ids counting
+up from 0 only when the request asks for them with `return_token_ids`, a usage chunk, [DONE], /metrics
+with vLLM's gauges, and its context in /v1/models when a test sets one) and misbehaves on request: each test picks
 which output lengths get an HTTP 500, a dropped stream or a short answer, and which fields or
 prompts it refuses as `transformers serve` does.
 """
@@ -52,7 +53,8 @@ class Behaviour:
     blank: set[int] = field(default_factory=set)  # output lengths whose chunks carry neither text nor token ids
     stall: set[int] = field(default_factory=set)  # output lengths whose stream pauses for 1 s after two tokens
     inject: dict[int, str] = field(default_factory=dict)  # output length -> a raw chunk sent after the first token
-    text_only: bool = False  # chunks without token_ids
+    text_only: bool = False  # chunks without token_ids, even when asked for them
+    max_model_len: int | None = None  # reported in GET /v1/models, as vLLM reports it
     has_metrics: bool = True
     foreign_metrics: bool = False  # a /metrics without vLLM's gauges
     refused_fields: set[str] = field(default_factory=set)  # answered with HTTP 422 when sent, as transformers serve
@@ -97,7 +99,9 @@ class StandIn:
 
         @app.get("/v1/models")
         async def models():
-            return {"object": "list", "data": [{"id": MODEL, "object": "model"}]}
+            reported = {} if self.behaviour.max_model_len is None else {"max_model_len": self.behaviour.max_model_len}
+            return {"object": "list", "data": [{"id": "another-model", "object": "model", "max_model_len": 1},
+                                               {"id": MODEL, "object": "model", **reported}]}
 
         @app.get("/metrics")
         async def exposition():
@@ -125,7 +129,8 @@ class StandIn:
             if body["max_tokens"] in self.behaviour.fail:
                 return JSONResponse({"object": "error", "message": "stand-in failure", "type": "InternalServerError",
                                      "code": 500}, status_code=500)
-            return StreamingResponse(self.stream(body["max_tokens"]), media_type="text/event-stream")
+            return StreamingResponse(self.stream(body["max_tokens"], body.get("return_token_ids", False)),
+                                     media_type="text/event-stream")
 
         return app
 
@@ -140,7 +145,7 @@ class StandIn:
             return 400, "prompt must be a string."
         return None
 
-    async def stream(self, max_tokens: int):
+    async def stream(self, max_tokens: int, with_ids: bool):
         behaviour = self.behaviour
         num_sent = max_tokens - 1 if max_tokens in behaviour.short else max_tokens
         behaviour.streaming += 1
@@ -159,7 +164,7 @@ class StandIn:
                 blank = max_tokens in behaviour.blank
                 choice = {"index": 0, "text": "" if blank else f" t{k}",
                           "finish_reason": "length" if k == num_sent - 1 else None}
-                if not (behaviour.text_only or blank):
+                if with_ids and not (behaviour.text_only or blank):  # vLLM streams ids only when asked
                     choice["token_ids"] = [k]
                 yield _event({"id": "cmpl-0", "object": "text_completion", "created": 0, "model": MODEL,
                               "choices": [choice]})
@@ -247,7 +252,7 @@ def test_every_request_asks_for_exactly_its_length(stand_in):
     replay(lk.Trace.from_lengths([4]), url=stand_in.url, model=MODEL, progress=False)
     [(_, body)] = stand_in.behaviour.received
     assert body == {"model": MODEL, "prompt": [], "max_tokens": 4, "min_tokens": 4, "ignore_eos": True,
-                    "stream": True, "stream_options": {"include_usage": True}}
+                    "return_token_ids": True, "stream": True, "stream_options": {"include_usage": True}}
 
 
 def test_prompt_ids_equal_the_engine_s():
@@ -528,8 +533,8 @@ def test_a_server_that_refuses_the_length_fields_and_token_ids_gets_neither_from
     assert first["prompt"] == prompt_ids(0, 3) and first["ignore_eos"] is True and first["min_tokens"] == 5
     prompts = [byte_text(prompt_ids(i, n)) or " " for i, n in enumerate(prompt_lengths)]  # an empty one: a space
     assert [sends[n][-1] for n in lengths] == [
-        {"model": MODEL, "prompt": prompt, "max_tokens": n, "stream": True, "stream_options": {"include_usage": True}}
-        for prompt, n in zip(prompts, lengths)]
+        {"model": MODEL, "prompt": prompt, "max_tokens": n, "stream": True, "stream_options": {"include_usage": True},
+         "return_token_ids": True} for prompt, n in zip(prompts, lengths)]
     assert all(1 < len(sends[n]) <= 3 for n in lengths)  # refused at most once per fallback, never in a loop
     # the metrics count what came back: request 0 got 4 of its 5 tokens
     assert log.asked_lengths.tolist() == lengths and log.trace.output_lengths.tolist() == [4, 3, 4, 2]
@@ -585,6 +590,18 @@ def test_a_server_that_refuses_priority_gets_none_and_lengths_stay_exact(stand_i
     assert [body.get("priority") for body in sends_by_length(stand_in)[3]] == [1, None]
     assert log.failures == [(0, f"{stand_in.url}: request 0: received 2 tokens, asked for 3 "
                                 "(does the server honour ignore_eos and min_tokens?)")]
+
+
+def test_a_server_that_refuses_return_token_ids_gets_none_and_counts_a_token_per_chunk(stand_in):
+    stand_in.behaviour.refused_fields = {"ignore_eos", "min_tokens", "return_token_ids"}  # transformers serve's
+    log = replay(lk.Trace.from_lengths([3, 2]), url=stand_in.url, model=MODEL, progress=False)
+    assert log.failures == [] and log.fallbacks == ("no ignore_eos", "no min_tokens", "no return_token_ids")
+    assert log.notes == (f"{stand_in.url} refused a request (HTTP 422: Unexpected fields in the request: ['ignore_eos', "
+                         "'min_tokens', 'return_token_ids']); from now on requests go without ignore_eos, min_tokens and "
+                         "return_token_ids; an answer may stop before its output length, and counts as it came back, "
+                         "not as a failure; a chunk that carries text and no token ids counts as one token",)
+    assert log.outputs == {} and [len(t) for t in log.tokens_at] == [3, 2] and log.num_tokens == 5
+    assert all("return_token_ids" not in sends[-1] for sends in sends_by_length(stand_in).values())
 
 
 def test_an_answer_without_a_token_fails_even_once_lengths_are_free(stand_in):
@@ -752,6 +769,43 @@ def test_load_sets_the_rate_from_the_capacity_the_server_showed(stand_in, capsys
     assert len(stand_in.behaviour.received) == 16
 
 
+def test_the_server_s_context_is_read_from_its_model_list():
+    from labkit.serve.replay import served_max_model_len
+
+    with StandIn() as server:
+        assert served_max_model_len(server.url, MODEL) is None  # it reports none
+        server.behaviour.max_model_len = 10
+        assert served_max_model_len(server.url + "/", MODEL) == 10  # the model's own entry, not another's
+        assert served_max_model_len(server.url, "no-such-model") is None
+    assert served_max_model_len(closed_port_url(), MODEL, timeout=1) is None  # unreachable: the replay says so
+
+
+def trace_csv(path, rows: list[tuple[int, int]]) -> str:
+    """A CSV trace of (prompt, output) rows, a tenth of a second apart."""
+    lines = "".join(f"2024-01-01 00:00:00.{k}0,{prompt},{output}\n" for k, (prompt, output) in enumerate(rows))
+    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + lines)
+    return str(path)
+
+
+def test_the_command_sends_only_what_the_server_s_context_holds_and_says_what_it_left_out(stand_in, capsys,
+                                                                                          tmp_path):
+    path = trace_csv(tmp_path / "trace.csv", [(4, 3), (9, 5), (2, 2), (8, 3), (1, 5), (3, 3)])  # 7, 14, 4, 11, 6, 6
+    stand_in.behaviour.max_model_len = 10
+    parser, command = replay_parser()
+    argv = ["replay", path, "--url", stand_in.url, "--model", MODEL, "--requests", "3", "--no-progress"]
+    assert replay_command(parser.parse_args(argv), command) == 0
+    assert (f"{path}: the first 3 requests, with prompt + output <= 10 tokens (the server's max_model_len; 2 longer "
+            "ones left out), at their own arrival times") in capsys.readouterr().out
+    assert sorted(len(body["prompt"]) for _, body in stand_in.behaviour.received) == [1, 2, 4]
+    # --max-tokens cuts the outputs first, and --max-model-len takes the place of the server's context
+    stand_in.behaviour.received.clear()
+    assert replay_command(parser.parse_args([*argv, "--max-tokens", "3", "--max-model-len", "12"]), command) == 0
+    assert (f"{path}: the first 3 requests, outputs cut to 3 tokens, with prompt + output <= 12 tokens "
+            "(--max-model-len; 0 longer ones left out)") in capsys.readouterr().out
+    assert sorted((len(body["prompt"]), body["max_tokens"]) for _, body in stand_in.behaviour.received) == [
+        (2, 2), (4, 3), (9, 3)]
+
+
 @pytest.mark.parametrize("argv, error", [
     (["toy", "--load", "2"], "argument --load: toy's requests all arrive at once"),
     (["azure-conv", "--load", "2", "--rate-scale", "4"], "argument --load: sets the rate from the server's capacity"),
@@ -793,6 +847,9 @@ def test_the_command_exits_1_when_the_server_refuses_every_request(stand_in, cap
         (["toy", "--rate-scale", "0"], "labkit replay: error: argument --rate-scale: '0': must be a number > 0"),
         (["toy", "--max-concurrency", "0"], "argument --max-concurrency: '0': must be a whole number >= 1"),
         (["toy", "--tokenizer", "no-such-dir"], "labkit replay: error: tokenizer = 'no-such-dir': no such directory"),
+        (["toy", "--max-model-len", "1"], "labkit replay: error: argument --max-model-len: max_len = 1: no request has "
+                                          "prompt + output <= 1 tokens (the shortest has 2)"),
+        (["toy", "--max-tokens", "0"], "argument --max-tokens: '0': must be a whole number >= 1"),
     ],
 )
 def test_a_bad_option_ends_in_one_error_line(argv, error, capsys):

@@ -1,8 +1,8 @@
 """lk.replay and `labkit replay` against a real server that is not labkit's: `transformers serve`
 (continuous batching, on the CPU) on a tiny Llama directory, started once for the module
-(tests/hf_servers.py). It refuses ignore_eos, min_tokens and token-id prompts, streams text
-without token ids or [DONE], and has no /metrics: the replay takes each fallback once, says so,
-and every request finishes with its tokens counted and timed. Last, the helper that starts the
+(tests/hf_servers.py). It refuses ignore_eos, min_tokens, return_token_ids and token-id prompts,
+streams text without token ids or [DONE], and has no /metrics: the replay takes each fallback
+once, says so, and every request finishes with its tokens counted and timed. Last, the helper that starts the
 server fails with its stderr when it does not come up.
 """
 
@@ -23,7 +23,7 @@ from tests.hf_servers import transformers_serve
 
 TRACE = lk.Trace.from_lengths([4, 6, 3, 5, 2, 6, 4, 3], prompt_lengths=[5, 3, 8, 4, 6, 2, 7, 5],
                               arrivals=[0, 0, 0.05, 0.1, 0.1, 0.15, 0.2, 0.2])
-FALLBACKS = ("no ignore_eos", "no min_tokens", "text prompts")
+FALLBACKS = ("no ignore_eos", "no min_tokens", "no return_token_ids", "text prompts")
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +43,9 @@ def test_every_request_finishes_with_each_fallback_taken_once_and_said(replayed,
     assert replayed.fallbacks == FALLBACKS
     fields, token_ids = [note for note in replayed.notes if " refused a request " in note]
     assert fields.startswith(f"{server.url} refused a request (HTTP 422: Unexpected fields in the request: {{'")
-    assert fields.endswith("}); from now on requests go without ignore_eos and min_tokens; an answer may stop "
-                           "before its output length, and counts as it came back, not as a failure")
+    assert fields.endswith("}); from now on requests go without ignore_eos, min_tokens and return_token_ids; an "
+                           "answer may stop before its output length, and counts as it came back, not as a failure; a "
+                           "chunk that carries text and no token ids counts as one token")
     assert token_ids == (f"{server.url} refused a request (HTTP 400: prompt must be a string.); from now on prompts "
                          f"go as text of exactly each prompt's length in the tokens of '{server.directory}'")
     assert f"{server.url}/metrics: HTTP 404, so no gauge series (log.server is empty)" in replayed.notes
@@ -82,7 +83,7 @@ def test_the_command_exits_0_and_says_which_fallbacks_it_took(server, capsys):
     # toy's prompts are empty: each goes as one token, as an empty one kills the server's worker
     assert main(["replay", "toy", "--url", server.url, "--model", server.model, "--no-progress"]) == 0
     out, err = capsys.readouterr()
-    assert "\nfallbacks: no ignore_eos, no min_tokens, text prompts\n" in out and "failed: 0 of 8 requests" in out
+    assert "\nfallbacks: no ignore_eos, no min_tokens, no return_token_ids, text prompts\n" in out and "failed: 0 of 8 requests" in out
     rows = {line.split("  ")[0]: line.split()[-1] for line in out.splitlines() if "  " in line}
     assert rows["tokens"] == str(lk.Trace.toy().output_lengths.sum())
     assert "prompt lengths are approximate" in err.replace("\n  ", " ")  # a note wraps at its width

@@ -296,6 +296,45 @@ def test_the_replay_command_prints_prediction_beside_measurement(capsys):
     assert "failed: 0 of 6 requests" in out
 
 
+def test_a_free_port_lies_below_the_ephemeral_range_where_no_outgoing_connection_takes_it():
+    import socket
+
+    from labkit.serve.processes import ephemeral_ports, free_port
+
+    low, high = ephemeral_ports()
+    ports = [free_port() for _ in range(20)]
+    assert all(1024 <= port < low for port in ports) and len(set(ports)) > 1  # drawn at random
+    for port in ports:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", port))  # free
+    with socket.socket() as client:  # the negative control: a client's own port is an ephemeral one
+        client.bind(("127.0.0.1", 0))
+        assert low <= client.getsockname()[1] <= high
+
+
+def test_the_lesson_s_azure_command_runs_as_written(capsys):
+    """Lesson 09's `labkit replay azure-conv ... --requests 24 --max-tokens 32 --load 2` against
+    TinyGPT served with the lesson's knobs: three of the first 27 requests are longer than its
+    2,048-token context, so the command leaves them out, says so, and every request finishes."""
+    from labkit.cli import main
+
+    lesson = lk.Continuous(num_slots=8, num_blocks=512, max_tokens_per_step=256, chunked_prefill=True)
+    server = Served(lesson, config=ModelConfig())  # labkit serve's default model, TinyGPT
+    command = ["replay", "azure-conv", "--url", server.url, "--model", MODEL, "--requests", "24", "--max-tokens", "32",
+               "--load", "2", "--no-progress"]
+    try:
+        assert main(command) == 0
+        out = capsys.readouterr().out
+        with pytest.raises(SystemExit):  # the negative control: a context above the server's, so the first 24 go
+            main([*command, "--max-model-len", "8192"])
+    finally:
+        server.stop()
+    assert ("azure-conv: the first 24 requests, outputs cut to 32 tokens, with prompt + output <= 2048 tokens (the "
+            "server's max_model_len; 3 longer ones left out), at their own arrival times") in out
+    assert "failed: 0 of 24 requests" in out and "2 × the server's capacity" in out
+    assert "argument --load: the capacity probe failed 2 of 24 requests" in capsys.readouterr().err  # 13 and 23
+
+
 def test_sigterm_stops_labkit_serve_cleanly():
     import signal
     import subprocess

@@ -35,6 +35,16 @@ def test_select_keeps_ids_and_backlogged_zeroes_arrivals():
     assert sub.backlogged().ids.tolist() == [3, 5]
 
 
+def test_capped_cuts_outputs_and_first_that_fit_keeps_the_first_that_fit_in_order():
+    trace = lk.Trace.from_lengths([3, 5, 2, 3, 5, 3], prompt_lengths=[4, 9, 2, 8, 1, 3], arrivals=[0, 1, 2, 3, 4, 5])
+    assert trace.capped(4).output_lengths.tolist() == [3, 4, 2, 3, 4, 3]
+    fitted, left_out = trace.first_that_fit(3, 10)  # sequences 7, 14, 4, 11, 6, 6
+    assert fitted.ids.tolist() == [0, 2, 4] and fitted.arrivals.tolist() == [0, 2, 4] and left_out == 2
+    assert trace.first_that_fit(2, 10)[1] == 1  # only those before the last one kept count
+    assert trace.first_that_fit(4, None)[0].ids.tolist() == [0, 1, 2, 3]  # no limit: the first four
+    assert trace.capped(3).first_that_fit(3, 12)[0].ids.tolist() == [0, 1, 2]  # cut first, then fit: 7, 12, 4
+
+
 def test_prompt_tokens_travel_with_their_requests():
     trace = lk.Trace.from_lengths([3, 4, 5], prompt_tokens=[[5, 6], [], [7, 8, 9]])
     assert trace.prompt_lengths.tolist() == [2, 0, 3]
@@ -138,6 +148,11 @@ def test_from_csv_reads_gzip(tmp_path):
         (lambda: lk.Trace.from_lengths([3], prompt_lengths=[2], prompt_tokens=[[1]]), r"prompt_tokens\[0\] has 1 ids"),
         (lambda: lk.Trace.from_lengths([3], prompt_tokens=[[1, -2]]), r"prompt_tokens\[0\]\[1\] = -2"),
         (lambda: lk.Trace.from_lengths([3, 4], prompt_tokens=[[1]]), "prompt_tokens has 1 entries"),
+        (lambda: lk.Trace.toy().capped(0), "max_output = 0"),
+        (lambda: lk.Trace.toy().first_that_fit(0, 10), "num_requests = 0"),
+        (lambda: lk.Trace.toy().first_that_fit(2, 1.5), "max_len = 1.5"),
+        (lambda: lk.Trace.toy().first_that_fit(2, 1), r"max_len = 1: no request has prompt \+ output <= 1 tokens "
+                                                      r"\(the shortest has 2\)"),
     ],
 )
 def test_bad_input_names_the_field_and_value(make, message):

@@ -12,9 +12,11 @@ tokens per step (`--cb-max-batch-tokens`): sized from free memory instead, its c
 10-14 s to set up on the first request on a CPU. It needs the `test` extra's accelerate and
 openai. What it is, checked on transformers 5.24: it serves /v1/completions, /v1/models and
 /health, and no /metrics; a request's model name is DIR exactly as given on its command line;
-it refuses unknown fields (ignore_eos, min_tokens, priority: HTTP 422) and token-id prompts
-(HTTP 400); it streams text, one chunk per token that decodes to something, then a chunk with
-the finish_reason and the usage, and no [DONE].
+it refuses unknown fields (ignore_eos, min_tokens, return_token_ids, priority: HTTP 422) and
+token-id prompts (HTTP 400); it streams text, one chunk per token that decodes to something,
+then a chunk with the finish_reason and the usage, and no [DONE]. Each server listens on a
+port drawn below the kernel's ephemeral range (`free_port`), which no client connection takes
+while the server loads.
 
 Invariants: a server that exits, or stays silent past the timeout, fails `wait_until_healthy`
 with a RuntimeError that ends with its stderr; leaving the `with` block (or `stop`) ends the
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -41,9 +44,30 @@ STOP_TIMEOUT_S = 30.0  # seconds a server may take to stop after SIGTERM before 
 STDERR_SHOWN = 3000  # characters of a server's stderr that a failure to start shows
 
 
+LOWEST_PORT = 10000  # free_port draws from here up to the kernel's ephemeral range
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range of local ports for outgoing connections (Linux's
+    ip_local_port_range; its default elsewhere)."""
+    with contextlib.suppress(OSError, ValueError):
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    return 32768, 60999
+
+
 def free_port() -> int:
-    """A TCP port free on the loopback interface right now."""
-    with socket.socket() as probe:
+    """A TCP port free on the loopback interface right now, drawn at random below the ephemeral
+    range: a server binds it only once it has loaded (seconds later), and meanwhile any outgoing
+    connection, a health check's included, may be given a free ephemeral port, this one too."""
+    low = ephemeral_ports()[0]
+    draw = random.SystemRandom()
+    for _ in range(100 if low > LOWEST_PORT else 0):
+        port = draw.randrange(LOWEST_PORT, low)
+        with socket.socket() as probe, contextlib.suppress(OSError):
+            probe.bind(("127.0.0.1", port))
+            return port
+    with socket.socket() as probe:  # no room below the range: any free port
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
 

@@ -24,9 +24,12 @@ Invariants:
   request that finished without such a chunk gets one time, when its stream ended. ITL is read
   from these times, so on a text server it is the gap between chunks, one of which may hold
   several tokens;
+- each request asks for its tokens' ids with vLLM's `return_token_ids` (vLLM streams a chunk's
+  `token_ids` only when asked; labkit's server always does), so `outputs` can be compared with
+  another run's; a server that streams text without ids leaves `outputs` empty;
 - a server's refusal is read from its answer, once for the whole replay: an HTTP 400 or 422 whose
-  body names `ignore_eos`, `min_tokens` or `priority`, and the request carried it, drops that
-  field; one that says a prompt must be a string sends text prompts (exactly each prompt's
+  body names `ignore_eos`, `min_tokens`, `return_token_ids` or `priority`, and the request carried
+  it, drops that field; one that says a prompt must be a string sends text prompts (exactly each prompt's
   length with a `tokenizer`, else labkit's byte-level text, one ASCII byte per token; an empty
   prompt as one token).
   The first refusal switches the replay's mode, says so once (`log.notes`, on stderr as it
@@ -72,7 +75,7 @@ from labkit.serve.tokenizer import encode as byte_encode
 from labkit.traffic import Trace
 
 GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
-OPTIONAL_FIELDS = ("ignore_eos", "min_tokens", "priority")  # vLLM's extensions, which another server may refuse
+OPTIONAL_FIELDS = ("ignore_eos", "min_tokens", "return_token_ids", "priority")  # vLLM's, which another server may refuse
 LENGTH_FIELDS = ("ignore_eos", "min_tokens")  # what holds a server to exactly max_tokens
 TEXT_PROMPTS = "text prompts"  # the fallback for a server that takes no token ids
 REFUSAL_STATUSES = (400, 422)
@@ -227,8 +230,8 @@ class ReplayLog(RequestTimes):
     them), `texts` its text (when the server sends text) and `usage` the server's final usage
     (when it sends one). `failures` holds (request id, message) pairs, `server` the gauges
     scraped from the server while it ran, `fallbacks` what the replay stopped sending because
-    the server refused it ("no ignore_eos", "no min_tokens", "no priority", "text prompts"), in
-    the order it did, and `notes` what it said once along the way."""
+    the server refused it ("no ignore_eos", "no min_tokens", "no return_token_ids", "no priority",
+    "text prompts"), in the order it did, and `notes` what it said once along the way."""
 
     def __init__(self, trace: Trace, url: str, sent_at: np.ndarray, tokens_at: list[np.ndarray],
                  outputs: dict[int, list[int]], failures: list[tuple[int, str]], server: ScrapedSeries, *,
@@ -328,6 +331,18 @@ def refusals(status: int, body_text: str, body: dict) -> list[str]:
     if not isinstance(body["prompt"], str) and "prompt" in text and "string" in text:
         named.append(TEXT_PROMPTS)
     return named
+
+
+def served_max_model_len(url: str, model: str, api_key: str | None = None, timeout: float = 5.0) -> int | None:
+    """The context, in tokens, that the server at `url` reports for `model` in GET /v1/models
+    (vLLM's and labkit's `max_model_len`), or None when it reports none or cannot be asked."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        listed = httpx.get(f"{url.rstrip('/')}/v1/models", headers=headers, timeout=timeout).json()["data"]
+        length = next(entry.get("max_model_len") for entry in listed if entry.get("id") == model)
+    except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError, StopIteration):
+        return None
+    return length if type(length) is int and length > 0 else None
 
 
 def _check_arguments(trace, model, url, max_concurrency, requests, seed, vocab_size, **positive) -> None:
@@ -451,7 +466,8 @@ class _Replay:
         length, priority = int(self.trace.output_lengths[i]), int(self.trace.priorities[i])
         body = {"model": self.model, "prompt": self._prompt(i, fallbacks), "max_tokens": length, "stream": True,
                 "stream_options": {"include_usage": True}}
-        extensions = {"min_tokens": length, "ignore_eos": True, **({"priority": priority} if priority else {})}
+        extensions = {"min_tokens": length, "ignore_eos": True, "return_token_ids": True,
+                      **({"priority": priority} if priority else {})}
         return {**body, **{field: value for field, value in extensions.items() if without(field) not in fallbacks}}
 
     def _prompt(self, i: int, fallbacks: set[str]) -> list[int] | str:
@@ -470,9 +486,11 @@ class _Replay:
             return
         self.fallbacks += new
         dropped = [field for field in OPTIONAL_FIELDS if without(field) in new]
-        effects = [f"requests go without {' and '.join(dropped)}"] if dropped else []
+        effects = [f"requests go without {_listed(dropped)}"] if dropped else []
         if set(dropped) & set(LENGTH_FIELDS):
             effects.append("an answer may stop before its output length, and counts as it came back, not as a failure")
+        if "return_token_ids" in dropped:
+            effects.append("a chunk that carries text and no token ids counts as one token")
         if "priority" in dropped:
             effects.append("the server does not see the trace's priorities")
         if TEXT_PROMPTS in new:
@@ -582,6 +600,11 @@ def _chunk(data: str) -> dict:
     if "error" in chunk or chunk.get("object") == "error":
         raise _Failed(f"the server streamed an error: {_error_text(data)}")
     return chunk
+
+
+def _listed(names: list[str]) -> str:
+    """'a', 'a and b', 'a, b and c'."""
+    return " and ".join(names) if len(names) < 3 else f"{', '.join(names[:-1])} and {names[-1]}"
 
 
 def _error_text(body: str) -> str:

@@ -4,8 +4,11 @@ its arrival times and print what was measured, as `lk.metrics.table` does, and w
 Invariants:
 
 - TRACE and its options (`--requests`, `--rate`, `--seed`) mean what they mean for `labkit demo`,
-  through the same `labkit.args`; azure-conv and CSV traces are cut to their first
-  REQUESTS requests (a remote server's length limit is its own to enforce);
+  through the same `labkit.args`. It sends the first REQUESTS requests whose prompt + output
+  (outputs cut to `--max-tokens` first, when given) fit the served model's context: `--max-model-len`,
+  else the `max_model_len` the server reports for the model in GET /v1/models (vLLM and labkit
+  serve report one), else no limit; it says how many longer ones it left out, since a server
+  refuses a request longer than its context and the replay would fail it;
 - a bad option ends in one `labkit replay: error: ...` line and exit code 2, never a
   traceback; a replay that ran prints its summary, the fallbacks it took (what the server
   refused, see `labkit.serve.replay`) and every failed request, then exits 0 when every request
@@ -20,8 +23,6 @@ from __future__ import annotations
 import argparse
 import csv
 import os
-
-import numpy as np
 
 import labkit as lk
 from labkit.analysis import metrics
@@ -47,7 +48,7 @@ def add_replay_parser(commands) -> argparse.ArgumentParser:
     parser.add_argument(
         "trace", metavar="TRACE",
         help=f"{', '.join(BUILTIN_TRACES)} or PATH.csv[.gz], as for `labkit demo`; azure-conv and CSV "
-        "traces send their first REQUESTS requests",
+        "traces send their first REQUESTS requests that fit the model's context (see --max-model-len)",
     )
     parser.add_argument("--url", default=DEFAULT_URL, help=f"the server's base URL (default {DEFAULT_URL})")
     parser.add_argument("--model", required=True, help="the served model's name, as GET /v1/models lists it")
@@ -68,6 +69,15 @@ def add_replay_parser(commands) -> argparse.ArgumentParser:
     parser.add_argument(
         "--requests", type=whole_number(1), default=32,
         help="requests to send (default 32); the toy trace always has its 8",
+    )
+    parser.add_argument(
+        "--max-tokens", metavar="N", type=whole_number(1), default=None,
+        help="cut every output to at most N tokens (default: the trace's own lengths)",
+    )
+    parser.add_argument(
+        "--max-model-len", metavar="N", type=whole_number(1), default=None,
+        help="send only requests whose prompt + output fit in N tokens (default: the max_model_len the server "
+        "reports in GET /v1/models, as vLLM and labkit serve do; no limit if it reports none)",
     )
     parser.add_argument(
         "--rate", type=positive_number, default=None,
@@ -98,9 +108,10 @@ def add_replay_parser(commands) -> argparse.ArgumentParser:
 
 def replay_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Replay the trace `args` name against the server and print the report; 1 when a request failed."""
-    from labkit.serve.replay import replay
+    from labkit.serve.replay import replay, served_max_model_len
 
-    trace, description = load_replay_trace(args, parser)
+    max_model_len = args.max_model_len or served_max_model_len(args.url, args.model, args.api_key)
+    trace, description = load_replay_trace(args, parser, max_model_len)
     options = dict(url=args.url, model=args.model, max_concurrency=args.max_concurrency, seed=args.seed,
                    tokenizer=args.tokenizer, api_key=args.api_key)
     try:
@@ -157,19 +168,37 @@ def predicted_beside(trace: lk.Trace, args: argparse.Namespace, parser: argparse
     return {"predicted": lk.simulate(trace, policy, cost=fit.model)}
 
 
-def load_replay_trace(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[lk.Trace, str]:
-    """The trace TRACE names and one line saying where it came from; a bad one ends in `parser.error`."""
+def load_replay_trace(args: argparse.Namespace, parser: argparse.ArgumentParser,
+                      max_model_len: int | None) -> tuple[lk.Trace, str]:
+    """The requests the replay sends: the first REQUESTS of the trace TRACE names whose prompt +
+    output fit in `max_model_len` tokens (None: all), outputs cut to --max-tokens first; and one
+    line saying where they came from. A bad trace, or one of which nothing fits, ends in `parser.error`."""
     if args.rate is not None and args.trace != "exponential":
         parser.error("argument --rate: only TRACE exponential samples arrivals; "
                      "toy, azure-conv and CSV traces keep their own")
+    sampled = args.trace in ("toy", "exponential")
     try:
-        if args.trace in ("toy", "exponential"):
-            return sampled_trace(args.trace, args.requests, args.rate, args.seed)
-        source = recorded_trace(args.trace)
+        source, description = (sampled_trace(args.trace, args.requests, args.rate, args.seed) if sampled
+                               else (recorded_trace(args.trace), f"{args.trace}: the first"))
     except (OSError, ValueError, csv.Error) as error:
         parser.error(f"argument TRACE: {trace_error(args.trace, error)}")
-    count = min(args.requests, len(source))
-    return source.select(np.arange(count)), f"{args.trace}: the first {count} requests, at their own arrival times"
+    if args.max_tokens is not None:
+        source = source.capped(args.max_tokens)
+    try:
+        trace, num_left_out = source.first_that_fit(min(args.requests, len(source)), max_model_len)
+    except ValueError as error:
+        parser.error(f"argument --max-model-len: {error}")
+    if sampled:
+        num_left_out = len(source) - len(trace)  # the sample is all there is: every one that does not fit
+    else:
+        description += f" {len(trace)} requests"
+    if args.max_tokens is not None:
+        description += f", outputs cut to {args.max_tokens} tokens"
+    if max_model_len is not None:
+        whose = "the server's max_model_len" if args.max_model_len is None else "--max-model-len"
+        description += (f", with prompt + output <= {max_model_len} tokens ({whose}; {num_left_out} longer "
+                        f"{'one' if num_left_out == 1 else 'ones'} left out)")
+    return trace, description + ("" if sampled else ", at their own arrival times")
 
 
 def print_failures(failures: list[tuple[int, str]], num_requests: int) -> None:
