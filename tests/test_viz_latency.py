@@ -136,23 +136,23 @@ def test_latency_tradeoff_places_each_run_and_opens_the_dominated(spike_logs):
         kind, x, y, throughput, symbol = drawn[name]
         assert (x, y, throughput) == pytest.approx(point)
         assert (kind, symbol) == (("Pareto-optimal", "circle") if optimal else ("dominated (ties within 1%)", "circle-open"))
-    (optimal_trace, _) = fig.data
-    np.testing.assert_allclose(optimal_trace.marker.color, [tradeoff_point(logs[n], 99).tokens_per_second
-                                                           for n in optimal_trace.text])
+    assert all(trace.texttemplate == "%{text}<br>%{customdata:,.0f} tokens/s" for trace in fig.data)  # they differ
+    assert all(trace.marker.colorbar.title.text is None for trace in fig.data)  # a label, never a colour scale
     assert fig.layout.xaxis.title.text == "ITL p99 (ms)"
     assert fig.layout.yaxis.title.text == "TTFT p99 (s)"
 
 
-def test_throughput_within_the_tolerance_gets_no_colour_scale():
-    """The same schedule 0.5% slower: a colour bar would present noise as signal."""
+def test_throughput_within_the_tolerance_is_not_labelled_point_by_point():
+    """The same schedule 0.5% slower: a throughput per point would present noise as signal."""
     trace = lk.Trace.from_lengths([20, 20, 20, 4], prompt_lengths=[4, 4, 4, 600], arrivals=[0, 0, 0, 0.01])
     logs = {name: lk.simulate(trace, lk.Continuous(num_slots=4), cost=lk.CostModel(overhead=overhead))
             for name, overhead in (("a", 3e-3), ("b", 3.015e-3))}
     fig = latency_tradeoff(logs, title="t")
-    assert all(trace.marker.colorbar.title.text is None for trace in fig.data)
-    assert "no colour for it" in fig.layout.title.text
-    coloured = latency_tradeoff(logs, title="t", rtol=0.001)  # negative control: a finer tolerance colours
-    assert coloured.data[0].marker.colorbar.title.text == "tokens/s"
+    assert all(trace.texttemplate == "%{text}" for trace in fig.data)
+    assert "every run: " in fig.layout.title.text and "tokens/s (within 1%)" in fig.layout.title.text
+    labelled = latency_tradeoff(logs, title="t", rtol=0.001)  # negative control: a finer tolerance labels
+    assert labelled.data[0].texttemplate == "%{text}<br>%{customdata:,.0f} tokens/s"
+    assert "every run" not in labelled.layout.title.text
 
 
 def test_nearby_points_get_labels_on_different_sides():

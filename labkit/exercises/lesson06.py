@@ -48,9 +48,15 @@ class ChunkedPrefill(Question):
             return correct(f"Each iteration has {self.budget} − {self.num_decodes} = {per_step} tokens left for the "
                            f"prompt, so its {tokens:,} tokens take {expected[0]} iterations; the last, which completes "
                            "the prompt, emits the first token.")
+        slips = []
         if answered[0] == math.ceil(tokens / self.budget):
-            return incorrect(f"{answered}: the {self.num_decodes} running decodes take their token each first, so a "
-                             f"chunk gets {per_step} of the {self.budget}, not all of it.")
+            slips.append(f"if you divided by the whole budget: the {self.num_decodes} running decodes take their token "
+                         f"each first, so a chunk gets {per_step} of the {self.budget}, not all of it")
+        if answered[0] == tokens // per_step and tokens % per_step:
+            slips.append(f"if you did subtract: {tokens:,} / {per_step} = {tokens / per_step:.2f}, so the last "
+                         f"{tokens % per_step} tokens need an iteration of their own, number {tokens // per_step + 1}")
+        if slips:
+            return incorrect(f"{answered}: " + "; ".join(slips) + ".")
         if answered == (expected[0], expected[0] - 1):
             return incorrect(f"{answered}: count the iterations from 1, as the question does.")
         return incorrect(f"{answered} is not it. {self.hint_text()}")

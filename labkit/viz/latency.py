@@ -9,8 +9,9 @@ Invariants:
 - a step is drawn over its own duration, so a long step reads as a long flat stretch,
   never as a slope into the next one;
 - the trade-off marks as Pareto-optimal the runs `labkit.analysis.tradeoff` finds so, with
-  its ties (`rtol`, 1%); colour shows throughput only when the runs' throughputs differ
-  by more than that tolerance.
+  its ties (`rtol`, 1%); each point's label gives its throughput when the runs'
+  throughputs differ by more than that tolerance (a label, not a colour scale, which would
+  stretch a few percent across its whole range).
 """
 
 from __future__ import annotations
@@ -86,8 +87,8 @@ def latency_tradeoff(logs: dict[str, StepLog], q: float = 99, title: str | None 
                      rtol: float = RTOL) -> go.Figure:
     """TTFT against ITL at the q-th percentile, one labelled point per run, in two traces:
     Pareto-optimal runs (ties within `rtol`) as filled circles, dominated ones as open grey
-    circles. Colour shows throughput when the runs' throughputs differ by more than `rtol`;
-    otherwise the subtitle gives the one throughput they share."""
+    circles. Each label gives the run's throughput when the runs' throughputs differ by more
+    than `rtol`; otherwise the subtitle gives the one throughput they share."""
     if not logs:
         raise ValueError("logs = {}: give at least one run to place")
     names = np.array(list(logs))
@@ -96,9 +97,9 @@ def latency_tradeoff(logs: dict[str, StepLog], q: float = 99, title: str | None 
     optimal = pareto_optimal(points, rtol)
     positions = np.array(label_positions(itl_ms, ttft_s))
     title = title or f"TTFT against ITL (p{q:g})"
-    is_coloured = throughput.max() - throughput.min() > rtol * throughput.max()
-    if not is_coloured:
-        title += f"<br><sup>every run: {throughput.mean():,.0f} tokens/s (within {rtol:.0%}), so no colour for it</sup>"
+    differ = throughput.max() - throughput.min() > rtol * throughput.max()
+    if not differ:
+        title += f"<br><sup>every run: {throughput.mean():,.0f} tokens/s (within {rtol:.0%})</sup>"
     fig = go.Figure()
     for kind, chosen in (("Pareto-optimal", optimal), ("dominated", ~optimal)):
         if not chosen.any():
@@ -106,16 +107,15 @@ def latency_tradeoff(logs: dict[str, StepLog], q: float = 99, title: str | None 
         marker = dict(size=14, line=dict(width=2), symbol="circle")
         if kind == "dominated":
             marker |= dict(symbol="circle-open", color="grey")
-        elif is_coloured:
-            marker |= dict(color=throughput[chosen], colorscale="Viridis", cmin=throughput.min(),
-                           cmax=throughput.max(), colorbar=dict(title="tokens/s"))
         fig.add_trace(
             go.Scatter(
                 x=itl_ms[chosen],
                 y=ttft_s[chosen],
                 mode="markers+text",
                 text=names[chosen].tolist(),
+                texttemplate="%{text}<br>%{customdata:,.0f} tokens/s" if differ else "%{text}",
                 textposition=positions[chosen].tolist(),
+                cliponaxis=False,  # a label below a point near the axis stays whole
                 customdata=throughput[chosen],
                 hovertemplate="%{text}<br>ITL %{x:.1f} ms<br>TTFT %{y:.3f} s<br>%{customdata:.0f} tokens/s",
                 marker=marker,
