@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 import labkit as lk
 from labkit.sched.blocks import num_blocks_for
 from labkit.engine import Engine, ModelConfig
-from labkit.analysis.multiplier import KINDS, Memory, Multiplier, memory_first, predict, take_apart
-from labkit.viz.multiplier import MARKER_OFFSET
+from labkit.analysis.multiplier import KINDS, Memory, Multiplier, from_record, memory_first, predict, take_apart
+from labkit.viz.multiplier import MARKER_OFFSET, THIN
 
 TOY = lk.Trace.from_lengths([2, 6, 3, 8, 2, 4, 5, 2])
 TOY_MEMORY = Memory(pool_tokens=16, reserve_tokens=8, max_slots=8, block_size=1)  # B0 = 2; the paged pool holds 16
@@ -406,6 +406,43 @@ def test_the_bars_stack_log_factors_to_each_total_and_star_only_published_names(
     unpublished = lk.viz.multiplier_bars(ms)
     assert "published" not in [t.name for t in unpublished.data]
     assert len(unpublished.data) == len(KINDS) + 1
+
+
+def test_the_bars_write_each_total_at_its_diamond_and_each_claim_at_its_star_with_its_note():
+    fig = lk.viz.multiplier_bars({"a": {"refill": 2.0, "memory": 3.0, "step cost": 0.5}, "b": {"refill": 4.0}},
+                                 published={"b": 5.0}, published_notes={"b": "at matched latency"})
+    labels = {a.text: (a.x, a.y) for a in fig.layout.annotations}
+    assert labels["total<br>3×"] == pytest.approx((0 - MARKER_OFFSET, math.log10(3.0)))  # at the diamond, not the stack
+    assert labels["total<br>4×"] == pytest.approx((1 - MARKER_OFFSET, math.log10(4.0)))
+    assert labels["published<br>5×"] == pytest.approx((1 + MARKER_OFFSET, math.log10(5.0)))
+    assert labels["at matched<br>latency"] == pytest.approx((1 + MARKER_OFFSET, math.log10(5.0)))
+    with pytest.raises(ValueError, match=r"published_notes = .*'a'.* has no published figure"):
+        lk.viz.multiplier_bars({"a": {"refill": 2.0}}, published_notes={"a": "note"})
+
+
+def test_a_segment_too_thin_for_its_label_is_labelled_beside_its_bar():
+    factors = {"implementation": 1.08, "refill": 2.28, "memory": 2.30, "step cost": 0.60}
+    assert math.log10(1.08) < THIN < math.log10(2.28)  # one thin segment, the rest labelled inside
+    fig = lk.viz.multiplier_bars({"x": factors})
+    inside = {bar.name: bar.text[0] for bar in fig.data if bar.type == "bar"}
+    assert inside == {"implementation": "", "baseline batch": "", "refill": "2.28×", "memory": "2.30×",
+                      "step cost": "0.60×"}
+    beside = [a for a in fig.layout.annotations if not a.text.startswith("total")]
+    assert [a.text for a in beside] == ["implementation 1.08×"]  # baseline batch is 1: no segment, no label
+    assert beside[0].x == pytest.approx(fig.data[0].width / 2)  # at the bar's right edge
+    assert beside[0].y == pytest.approx(math.log10(1.08) / 2)  # the middle of the first segment up from 1x
+
+
+def test_a_recorded_configuration_gives_back_its_factors():
+    m = predict(TOY, TOY_MEMORY, COST, {"hf": COST.scaled(3)}, name="batched")
+    record = {"output_tokens": int(TOY.output_lengths.sum()), "factors": {f.name: f.value for f in m.factors},
+              "runs": {name: {"steps": log.num_steps, "duration_s": log.duration} for name, log in m.runs.items()}}
+    recorded = from_record(record)
+    assert [(f.name, f.value) for f in recorded.factors] == [(f.name, f.value) for f in m.factors]
+    assert recorded.total == m.total and recorded.runs["paged"].tokens_per_second == m.runs["paged"].tokens_per_second
+    record["factors"]["refill"] *= 1.01  # a record whose factors do not follow from its runs
+    with pytest.raises(ValueError, match=r"record\['factors'\] = .*the runs give"):
+        from_record(record)
 
 
 def test_the_bars_take_a_recorded_run_s_factors_by_kind():

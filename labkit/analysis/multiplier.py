@@ -20,8 +20,9 @@ and the headline (baseline's duration / paged's duration) telescopes into:
                     memory allows; left out (1) when B0 = B
     refill          steps(full static) / steps(continuous): the slot-steps lesson 02's theory predicts
     memory          steps(continuous) / steps(paged): more requests per step in the same pool
-    step cost       (s/step of static) / (s/step of paged): what is left, the price of the
-                    fuller steps (more rows, prompts mixed in, longer contexts read)
+    step cost       (s/step of static) / (s/step of paged): what is left. Fewer steps carry the
+                    trace's own work (its prompts, each token's reads) in larger pieces, so it
+                    falls below 1 even where the paged run spends fewer seconds on that work
 
 Invariants:
 
@@ -185,6 +186,35 @@ class Multiplier:
                          f"{log.tokens_per_second:,.0f}", f"{self.runs[self.baseline].duration / log.duration:.2f}×"])
         return format_table(["run", "steps", "tokens/step", "ms/step", "tokens/s", "× baseline"], rows)
 
+
+
+@dataclass(frozen=True)
+class RecordedRun:
+    """A run as a benchmark recorded it: its steps, its seconds and the tokens it served."""
+
+    num_steps: int
+    duration: float
+    num_tokens: int
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.num_tokens / self.duration
+
+
+def from_record(record: dict, name: str = "batched") -> Multiplier:
+    """The `Multiplier` of one configuration `benchmarks/bench_multiplier.py` recorded: its
+    "runs" ({run: {"steps", "duration_s"}}, baselines first), "output_tokens" and "factors".
+    The factors are recomputed from the runs (`name`: the implementation under test, as the
+    benchmark named it); a ValueError if they differ from the recorded ones."""
+    runs = {run: RecordedRun(int(logged["steps"]), float(logged["duration_s"]), int(record["output_tokens"]))
+            for run, logged in record["runs"].items()}
+    multiplier = Multiplier(runs, _factors(runs, name))
+    recomputed = {f.name: f.value for f in multiplier.factors}
+    recorded = record["factors"]
+    if recomputed.keys() != recorded.keys() or not all(
+            math.isclose(value, recorded[factor], rel_tol=1e-9) for factor, value in recomputed.items()):
+        raise ValueError(f"record['factors'] = {recorded}: the runs give {recomputed}")
+    return multiplier
 
 
 def take_apart(trace: Trace, memory: Memory, run: Callable, baselines: dict[str, Callable] | None = None,
