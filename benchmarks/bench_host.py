@@ -12,7 +12,10 @@
    with 2 ms of extra host work a step (`Engine(extra_host_seconds=0.002)`) of four kinds,
    plain and overlapped: busy Python (a core and the interpreter lock held), busy native
    code (a core held, the lock released), a sleep that keeps the lock (the lock held, no
-   core) and a plain sleep (neither).
+   core) and a plain sleep (neither). Each kind keeps its speed-up in every round
+   (`speedups`; rounds alternate the kinds, and which of a kind's two runs goes first) and,
+   from its median round, five decode steps' lanes taking turns and overlapped (`lanes`: the
+   window whose device idle share is the median of the run's windows), for lesson 08 to draw.
 4. The host's time per decode step at scale (`decode_host`): TinyGPT taking turns at B = 8
    to 1,024, the median host and device ms of its decode steps, the run with the lowest
    host time of the repeats. Lesson 08 fits host = a + b B over this range.
@@ -40,7 +43,7 @@ import torch
 
 import labkit as lk
 from labkit.analysis.host import schedule_seconds
-from labkit.analysis.lanes import overlap_speedup, two_lanes
+from labkit.analysis.lanes import Lanes, overlap_speedup, two_lanes
 from labkit.engine import Engine
 from labkit.engine.model_runner import busy_native, busy_python, sleep_holding_lock
 
@@ -118,29 +121,42 @@ def host_shares(device: str, threads: int | None, output_len: int, repeats: int)
 
 def host_work(device: str, threads: int | None, output_len: int, repeats: int) -> dict:
     """TinyGPT at B = 8 with EXTRA_HOST_SECONDS of each kind of host work, plain and overlapped,
-    in `repeats` rounds that alternate the kinds: each number the median over the rounds, and
-    the speed-up's range over them too."""
+    in `repeats` rounds that alternate the kinds: each number the median over the rounds, the
+    speed-up of every round, and the lanes of the median round."""
     trace = decode_trace(8, output_len)
     engines = {(kind, overlap): Engine(device=device, threads=threads, overlap=overlap,
                                        extra_host_seconds=EXTRA_HOST_SECONDS, extra_host_work=work)
                for kind, work in HOST_WORK.items() for overlap in (False, True)}
-    rounds = {kind: [] for kind in HOST_WORK}
-    for _ in range(repeats):
+    rounds = {kind: [] for kind in HOST_WORK}  # kind -> [(overlap_result, plain log, overlapped log)]
+    for round_index in range(repeats):
+        order = (False, True) if round_index % 2 == 0 else (True, False)  # plain first in every other round
         for kind in HOST_WORK:
-            plain, overlapped = (decode_steps(engines[kind, overlap].run(trace, lk.Continuous(num_slots=8),
-                                                                         progress=False))
-                                 for overlap in (False, True))
-            rounds[kind].append(overlap_result(plain, overlapped))
+            by_overlap = {overlap: engines[kind, overlap].run(trace, lk.Continuous(num_slots=8), progress=False)
+                          for overlap in order}
+            logs = [by_overlap[False], by_overlap[True]]
+            rounds[kind].append((overlap_result(*(decode_steps(log) for log in logs)), *logs))
     results = {}
     for kind, runs in rounds.items():
-        median = {lane: {name: float(np.median([run[lane][name] for run in runs])) for name in runs[0][lane]}
+        measured = [run for run, *_ in runs]
+        median = {lane: {name: float(np.median([run[lane][name] for run in measured])) for name in measured[0][lane]}
                   for lane in ("plain", "overlap")}
-        speedups = [run["speedup"] for run in runs]
-        results[kind] = {**median, "speedup": float(np.median(speedups)),
+        speedups = [run["speedup"] for run in measured]
+        _, *median_logs = runs[int(np.argsort(speedups)[len(speedups) // 2])]
+        results[kind] = {**median, "speedup": float(np.median(speedups)), "speedups": speedups,
                          "speedup_range": [min(speedups), max(speedups)],
-                         "arithmetic": overlap_speedup(median["plain"]["host_ms"], median["plain"]["device_ms"])}
+                         "arithmetic": overlap_speedup(median["plain"]["host_ms"], median["plain"]["device_ms"]),
+                         "lanes": {mode: median_window(log) for mode, log in zip(("plain", "overlap"), median_logs)}}
         print_overlap(f"B = 8, +{EXTRA_HOST_SECONDS * 1e3:g} ms {kind}, medians of {repeats}", results[kind])
     return results
+
+
+def median_window(log, num_steps: int = 5) -> dict:
+    """The lanes of `num_steps` consecutive decode steps of `log`, in seconds: of every such
+    window, the one whose device idle share is the median."""
+    decode = np.flatnonzero(log.num_prefill_tokens == 0)
+    windows = [Lanes.from_log(log, num_steps, first) for first in range(decode[0], decode[-1] - num_steps + 2)]
+    lanes = windows[int(np.argsort([w.device_idle_fraction for w in windows])[len(windows) // 2])]
+    return {"host": lanes.host.tolist(), "device": lanes.device.tolist()}
 
 
 def decode_host(device: str, threads: int | None, repeats: int) -> dict:

@@ -505,6 +505,8 @@ def test_the_reference_passes_on_the_engine_and_a_wrong_one_fails():
     ((10, 4), False, "the device cannot start a step before its 6 ms of host work is done"),
     ((10, 10), False, "overlap hides the shorter lane"),
     ((9, 5), False, "is not it. Without overlap the lanes take turns"),
+    ((0.01, 0.006), False, "(0.01, 0.006): right in seconds, but the question asks for milliseconds"),
+    ((0.0, 0.0), False, "is not it. Without overlap the lanes take turns"),
     (("ten", 6), False, "ms without overlap"),
     ((None, None), False, ""),
 ])

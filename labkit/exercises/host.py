@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from labkit.analysis.lanes import two_lanes
-from labkit.exercises.feedback import NumberPair
+from labkit.exercises.feedback import NumberPair, Verdict, incorrect, pair, real_number
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,13 @@ class OverlapStep(NumberPair):
 
     def expected(self) -> tuple[float, float]:
         return tuple(two_lanes(self.host, self.device, 4, overlap).step_period for overlap in (False, True))
+
+    def grade(self, answer) -> Verdict:
+        answered = tuple(real_number(value, name) for value, name in zip(pair(answer, self.answer_format), self.names))
+        if self._near(tuple(1000 * value for value in answered), self.expected()):
+            return incorrect(f"{answered}: right in seconds, but the question asks for milliseconds: "
+                             f"multiply each by 1,000.")
+        return super().grade(answer)
 
     def praise(self) -> str:
         plain, overlapped = self.expected()
