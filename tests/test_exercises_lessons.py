@@ -38,6 +38,24 @@ def test_lesson01_expects_what_the_simulator_counts():
     assert "divided the total tokens" in lesson01.q1.verdict((6, 10)).message
 
 
+def test_lesson01_names_the_off_by_one_and_the_order_that_matters():
+    reverse = lk.Trace.from_lengths([9, 1, 1, 1])
+    assert [lk.simulate(reverse, policy(num_slots=2)).num_steps for policy in (lk.Static, lk.Continuous)] == [10, 9]
+    right = lesson01.q1.verdict((10, 10)).message
+    assert "the 9-token request, admitted last, in iteration 1, sets the end under both" in right
+    assert "in the order (9, 1, 1, 1), it would run beside the short ones: static 10, continuous 9" in right
+    slip = lesson01.q1.verdict((10, 9)).message  # the 9-token request starts in iteration 1, after two 1-token ones
+    assert "Continuous: 9 is one short: it is the 9-token request's own length" in slip
+    assert "until iteration 1 and ends in iteration 9; numbered from 0, that makes 10 iterations" in slip
+    assert "Static: 9 is one short: the last iteration is iteration 9" in lesson01.q1.verdict((9, 10)).message
+    assert "11 is not it" in lesson01.q1.verdict((10, 11)).message  # a slip with no name keeps the generic note
+    for follows in ((0.6, 0.667), (0.6, 12 / 18), (60, 66.7)):  # 12 tokens / (2 slots × 9 iterations)
+        verdict = lesson01.q2.verdict(follows)
+        assert verdict.status == INCORRECT
+        assert "Continuous: 0.667 is 12/(2 × 9), one iteration short" in verdict.message
+    assert "0.7 is not it" in lesson01.q2.verdict((0.6, 0.7)).message
+
+
 def test_lesson02_q1_computes_the_uniform_gain_and_bounds_it():
     lengths = np.arange(100, 301)
     gain = lk.theory.ideal_gain(lengths, 32)
@@ -62,6 +80,19 @@ def test_lesson03_uses_the_lessons_own_backlog():
     assert status(lesson03.q1, expected[::-1]) == INCORRECT
 
 
+def test_lesson03_names_the_setup_a_wrong_pair_belongs_to():
+    backlog = lk.Trace.sample(32, output="exponential", mean_output=32, prompt="uniform", mean_prompt=16, seed=0)
+    counts = {(requests, slots): tuple(lk.simulate(trace, policy(num_slots=slots)).num_steps
+                                       for policy in (lk.Static, lk.Continuous))
+              for requests, trace in {32: backlog, 16: backlog.select(np.arange(16))}.items() for slots in (8, 4)}
+    assert counts[32, 8] == (402, 192)  # the whole backlog, as the lesson prints it
+    assert "all 32 requests of the backlog on 8 slots" in lesson03.q1.verdict((402, 192)).message
+    assert "all 32 requests of the backlog on 4 slots" in lesson03.q1.verdict(counts[32, 4]).message
+    assert "the first 16 requests on 8 slots" in lesson03.q1.verdict(counts[16, 8]).message
+    assert all(status(lesson03.q1, counts[setup]) == INCORRECT for setup in ((32, 8), (32, 4), (16, 8)))
+    assert "is not it" in lesson03.q1.verdict((400, 200)).message  # no setup of the lesson's: the generic note
+
+
 def test_lesson04_q1_counts_the_wider_models_weights():
     weights = 4 * (4 * 512 * 512 + 3 * 512 * 1536) + 512 * 512  # per layer times 4 layers, then the LM head
     kv_bytes = 2 * 4 * 512 * 4
@@ -69,6 +100,14 @@ def test_lesson04_q1_counts_the_wider_models_weights():
     assert status(lesson04.q1, 424) == CORRECT
     assert "divide by 8" in lesson04.q1.verdict(3392).message  # the crossover for one request
     assert "a key *and* a value" in lesson04.q1.verdict(848).message
+    head = embedding = 512 * 512  # vocab × d_model each, untied in TinyGPT
+    assert 4 * (weights - head) / (8 * kv_bytes) == 416 and 4 * (weights + embedding) / (8 * kv_bytes) == 432
+    assert "leaves out the LM head" in lesson04.q1.verdict(416).message
+    assert 216 * 512 / 256 == 432  # the lesson's 216 tokens scaled by the width: the likelier way to 432
+    scaled = lesson04.q1.verdict(432).message
+    assert "scales the lesson's 216 tokens by the width" in scaled and "grows only 2 times" in scaled
+    assert "embedding table, which no GEMM reads, gives the same number" in scaled
+    assert status(lesson04.q1, 421) == INCORRECT and "is not it" in lesson04.q1.verdict(421).message
 
 
 def test_lesson04_q2_prices_the_step_on_the_h200():
@@ -82,6 +121,13 @@ def test_lesson04_q2_prices_the_step_on_the_h200():
     added = (weights + 64 * 1024 * kv_token + 64 * row) / (weights + 1024 * kv_token + row)
     assert "adds the arithmetic" in lesson04.q2.verdict(round(added, 3)).message
     assert "separate steps" in lesson04.q2.verdict(64).message
+    from pathlib import Path
+
+    cpu = lk.CostModel.load(Path(lesson04.__file__).parents[2] / "benchmarks/results/engine-cost.json")
+    fixed = cpu.overhead + cpu.host_overhead  # this CPU's saved price, which adds every term
+    row = cpu.per_decode_token + 1024 * cpu.per_kv_token + cpu.host_per_request + cpu.host_per_token
+    assert round((fixed + 64 * row) / (fixed + row), 1) == 33.0
+    assert "this CPU's saved price" in lesson04.q2.verdict(33.0).message
 
 
 def test_lesson05_q1_tells_each_slip_apart():
@@ -104,5 +150,13 @@ def test_lesson05_q2_simulates_both_victims():
 def test_lesson06_counts_the_chunks_beside_seven_decodes():
     assert lesson06.q1.expected() == (math.ceil(1000 / (256 - 7)), math.ceil(1000 / (256 - 7))) == (5, 5)
     assert status(lesson06.q1, (5, 5)) == CORRECT
-    assert "take their token each first" in lesson06.q1.verdict((4, 4)).message
+    for rounded_down in ((4, 4), (4, 5)):  # 1000 / 256 = 3.9 and 1000 / 249 = 4.02 both invite a 4
+        message = lesson06.q1.verdict(rounded_down).message
+        assert "take their token each first, so a chunk gets 249 of the 256" in message
+        assert "1,000 / 249 = 4.02, so the last 4 tokens need an iteration of their own, number 5" in message
+    budget_300 = lesson06.ChunkedPrefill(num_decodes=7, prompt_length=999, budget=300)  # 1000 / 293 = 3.41
+    assert budget_300.expected() == (4, 4) == (math.ceil(1000 / 300),) * 2  # the whole budget happens to agree
+    rounded_down = budget_300.verdict((3, 3)).message
+    assert "1,000 / 293 = 3.41, so the last 121 tokens need an iteration of their own, number 4" in rounded_down
+    assert "divided by the whole budget" not in rounded_down
     assert "count the iterations from 1" in lesson06.q1.verdict((5, 4)).message

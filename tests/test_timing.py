@@ -48,3 +48,33 @@ def test_cpu_time_refuses_a_gpu():
     import torch
     with pytest.raises(ValueError, match="cpu_time = True: the engine runs on cuda"):
         timing._median_seconds(lambda: None, torch.device("cuda"), repeats=1, cpu_time=True)
+
+
+def test_a_step_can_admit_a_prompt(engine, monkeypatch):
+    built = []
+    build = timing.StepBatch.build
+    monkeypatch.setattr(timing.StepBatch, "build", lambda *args: built.append(args) or build(*args))
+    assert engine.time_decode_step(3, context_len=20, repeats=1, prompt_len=40, cpu_time=True) > 0
+    new_tokens, starts, tables, block_size = built[0][:4]
+    assert [len(t) for t in new_tokens] == [1, 1, 1, 40] and starts == [19, 19, 19, 0]  # 3 decode rows, 1 prompt
+    assert [len(t) for t in tables] == [2, 2, 2, 3] and block_size == 16  # 20 and 40 tokens in blocks of 16
+    engine.time_decode_step(3, context_len=20, repeats=1)
+    assert [len(t) for t in built[-1][0]] == [1, 1, 1]  # no prompt unless asked
+
+
+def test_a_prompt_must_fit_the_model(engine):
+    with pytest.raises(ValueError, match="prompt_len = -1: must be a whole number >= 0"):
+        engine.time_decode_step(2, prompt_len=-1)
+    too_long = engine.config.max_seq_len + 1
+    with pytest.raises(ValueError, match=f"prompt_len = {too_long}: must be at most the model's max_seq_len"):
+        engine.time_decode_step(2, prompt_len=too_long)
+
+
+def test_step_parts_in_cpu_time_leave_out_waiting(engine, monkeypatch):
+    clocks = []
+    monkeypatch.setattr(timing, "_median_seconds", lambda call, device, repeats, cpu_time=False: clocks.append(
+        cpu_time) or 1.0)
+    assert engine.decode_step_parts(2, context_len=16, repeats=1, cpu_time=True)["other"] == -1.0
+    assert clocks == [True, True, True]  # the step, the GEMMs and attention, all on the CPU clock
+    engine.decode_step_parts(2, context_len=16, repeats=1)
+    assert clocks[3:] == [False, False, False]

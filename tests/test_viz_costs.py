@@ -47,8 +47,13 @@ def test_step_time_curve_compares_time_per_token_as_a_share_and_marks_a_point():
     assert list(fig.data[1].y) == pytest.approx([1, 0.5])  # 24/16 ms a token against 3
     assert list(fig.data[3].y) == pytest.approx([1, 0.1875])  # 6/16 against 2
     assert fig.layout.yaxis2.title.text.startswith("per token, share") and fig.layout.title.text == "Two contexts"
-    marked = lk.viz.step_time_curve({"B = 8": {64: 0.003, 2048: 0.025}}, against="context", marks={"216": 216})
-    assert [(s.x0, s.line.dash) for s in marked.layout.shapes] == [(216, "dot")]
-    assert [a.text for a in marked.layout.annotations] == ["216"]
+    assert fig.data[1].name == "context 1,024: per token, share of the smallest batch's"  # one line in the legend
+    marked = lk.viz.step_time_curve({"B = 8": {64: 0.003, 2048: 0.025}}, against="context",
+                                    marks={"bytes: 216": 216, "time: 306": 306})
+    lines = marked.data[1:]  # one legend entry each, no label on the plot to overlap another
+    assert [(t.name, list(t.x), t.line.dash) for t in lines] == [("bytes: 216", [216, 216], "dot"),
+                                                                  ("time: 306", [306, 306], "dash")]
+    assert all(list(t.y) == pytest.approx([0, 1.05 * 25]) for t in lines)  # across the curve, in ms
+    assert not marked.layout.annotations
     with pytest.raises(ValueError, match="relative = True: needs against = 'batch size'"):
         lk.viz.step_time_curve({"B = 8": {64: 0.003}}, against="context", relative=True)

@@ -162,15 +162,17 @@ class Engine:
         return self.prompt_ids(int(trace.ids[index]), int(trace.prompt_lengths[index]))
 
     def time_decode_step(self, batch_size: int, context_len: int = 128, repeats: int = 5, block_size: int = 16,
-                         cpu_time: bool = False) -> float:
+                         cpu_time: bool = False, prompt_len: int = 0) -> float:
         """Median seconds of one decode step of `batch_size` requests, each `context_len` tokens deep;
-        with `cpu_time`, CPU seconds (`labkit.engine.timing` says why)."""
-        return decode_step_seconds(self, batch_size, context_len, repeats, block_size, cpu_time)
+        with `cpu_time`, CPU seconds (`labkit.engine.timing` says why); with `prompt_len`, a step
+        that also admits one request and prefills its prompt of that many tokens."""
+        return decode_step_seconds(self, batch_size, context_len, repeats, block_size, cpu_time, prompt_len)
 
-    def decode_step_parts(self, batch_size: int, context_len: int = 128, repeats: int = 5) -> dict[str, float]:
+    def decode_step_parts(self, batch_size: int, context_len: int = 128, repeats: int = 5,
+                          cpu_time: bool = False) -> dict[str, float]:
         """Median seconds of a decode step and of its GEMMs, its attention and everything else
-        (`labkit.engine.timing` says how each is measured)."""
-        return decode_step_parts(self, batch_size, context_len, repeats)
+        (`labkit.engine.timing` says how each is measured); with `cpu_time`, CPU seconds."""
+        return decode_step_parts(self, batch_size, context_len, repeats, cpu_time=cpu_time)
 
     def time_linear_layers(self, rows: int, passes: int = 1, repeats: int = 5, cpu_time: bool = False) -> float:
         """Median seconds of the step's linear layers over `rows` rows in `passes` passes (each

@@ -2,7 +2,9 @@
 
 A decode step of B requests, each with `context_len` tokens in the cache (or each with its
 own, `ragged_decode_step_seconds`), runs on a cache laid out as a real run's would be after
-that many tokens. Its time splits three ways:
+that many tokens; with `prompt_len`, the same step also admits one request's prompt of that
+many tokens, prefilled in the same forward pass (eagerly: CUDA graphs replay pure decode
+steps only). Its time splits three ways:
 
 - GEMMs: every linear layer of the step (per layer qkv, o, gate_up, down; then the LM
   head), timed alone on inputs of the same shapes;
@@ -78,36 +80,48 @@ def _median_seconds(call, device: torch.device, repeats: int, cpu_time: bool = F
     return float(np.median(timings[1:]))
 
 
-def _decode_step(engine, context_lens: list[int], block_size: int) -> tuple[PagedKVCache, StepBatch]:
+def _decode_step(engine, context_lens: list[int], block_size: int,
+                 prompt_len: int = 0) -> tuple[PagedKVCache, StepBatch]:
     """A cache and a decode step of one request per entry of `context_lens`, each at position context_len - 1,
-    its blocks laid out one request after another."""
-    blocks_each = [num_blocks_for(length, block_size) for length in context_lens]
+    and, with `prompt_len`, one more request's prompt of that many tokens from position 0; the
+    requests' blocks laid out one after another."""
+    whole_number("prompt_len", prompt_len, minimum=0)
+    if prompt_len > engine.config.max_seq_len:
+        raise ValueError(f"prompt_len = {prompt_len}: must be at most the model's max_seq_len "
+                         f"{engine.config.max_seq_len}")
+    lengths = [*context_lens, prompt_len] if prompt_len else list(context_lens)
+    blocks_each = [num_blocks_for(length, block_size) for length in lengths]
     cache = PagedKVCache(engine.config, sum(blocks_each), block_size, engine.device, engine.dtype)
-    first_blocks = np.cumsum(blocks_each) - blocks_each  # (B,)
+    first_blocks = np.cumsum(blocks_each) - blocks_each  # (R,)
     tables = [np.arange(first, first + count) for first, count in zip(first_blocks, blocks_each)]
-    batch = StepBatch.build([[1]] * len(context_lens), [length - 1 for length in context_lens], tables, block_size,
-                            engine.device)
+    new_tokens = [[1]] * len(context_lens) + ([[1] * prompt_len] if prompt_len else [])
+    starts = [length - 1 for length in context_lens] + ([0] if prompt_len else [])
+    batch = StepBatch.build(new_tokens, starts, tables, block_size, engine.device)
     return cache, batch
 
 
 def decode_step_seconds(engine, batch_size: int, context_len: int = 128, repeats: int = 5,
-                        block_size: int = 16, cpu_time: bool = False) -> float:
-    """Median seconds of one decode step, as the engine runs it (from a CUDA graph where it uses them)."""
-    return ragged_decode_step_seconds(engine, [context_len] * batch_size, repeats, block_size, cpu_time)
+                        block_size: int = 16, cpu_time: bool = False, prompt_len: int = 0) -> float:
+    """Median seconds of one decode step, as the engine runs it (from a CUDA graph where it uses them);
+    with `prompt_len`, a step that also prefills one prompt of that many tokens."""
+    return ragged_decode_step_seconds(engine, [context_len] * batch_size, repeats, block_size, cpu_time, prompt_len)
 
 
 def ragged_decode_step_seconds(engine, context_lens: list[int], repeats: int = 5, block_size: int = 16,
-                               cpu_time: bool = False) -> float:
-    """Median seconds of one decode step of requests `context_lens[i]` tokens deep each, as the engine runs it."""
-    cache, batch = _decode_step(engine, context_lens, block_size)
-    step = DecodeGraphs(engine.model, cache) if engine.cuda_graphs else functools.partial(engine.model, cache=cache)
+                               cpu_time: bool = False, prompt_len: int = 0) -> float:
+    """Median seconds of one decode step of requests `context_lens[i]` tokens deep each, as the engine runs it;
+    with `prompt_len`, a step that also prefills one prompt of that many tokens."""
+    cache, batch = _decode_step(engine, context_lens, block_size, prompt_len)
+    graphs = engine.cuda_graphs and not prompt_len  # graphs replay pure decode steps only
+    step = DecodeGraphs(engine.model, cache) if graphs else functools.partial(engine.model, cache=cache)
     with torch.inference_mode(), torch_threads(engine.threads):
         return _median_seconds(lambda: step(batch), engine.device, repeats, cpu_time)
 
 
 def decode_step_parts(engine, batch_size: int, context_len: int = 128, repeats: int = 5,
-                      block_size: int = 16) -> dict[str, float]:
-    """Median seconds of an eager decode step and of its parts: "step", "GEMMs", "attention", "other"."""
+                      block_size: int = 16, cpu_time: bool = False) -> dict[str, float]:
+    """Median seconds of an eager decode step and of its parts: "step", "GEMMs", "attention", "other";
+    with `cpu_time`, CPU seconds."""
     model, config = engine.model, engine.config
     cache, batch = _decode_step(engine, [context_len] * batch_size, block_size)
     gemms = _linear_layers(engine, batch_size)
@@ -120,7 +134,7 @@ def decode_step_parts(engine, batch_size: int, context_len: int = 128, repeats: 
             plan(q, *cache.layer(layer))
 
     with torch.inference_mode(), torch_threads(engine.threads):
-        parts = {name: _median_seconds(call, engine.device, repeats)
+        parts = {name: _median_seconds(call, engine.device, repeats, cpu_time)
                  for name, call in (("step", lambda: model(batch, cache)), ("GEMMs", gemms), ("attention", attention))}
     parts["other"] = parts["step"] - parts["GEMMs"] - parts["attention"]
     return parts

@@ -3,19 +3,23 @@ keys and values than of weights (q1), and what 64 rows at a long context cost on
 
 Invariants: q1 counts the weights of a TinyGPT built with the question's sizes (so it
 imports torch when it grades), as the lesson counts its own; q2 prices steps with
-`labkit.analysis.hardware.weight_bound_price()`. Nothing is written down.
+`labkit.analysis.hardware.weight_bound_price()`, and tells the answer of this CPU's saved
+price (`benchmarks/results/engine-cost.json`, where the repository has it) from the right
+one. Nothing is written down.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from labkit.analysis.cost_fit import CostModel
 from labkit.analysis.hardware import weight_bound_price
 from labkit.exercises.feedback import Question, correct, incorrect, real_number
 
 BYTES_PER_VALUE = 4  # fp32, as TinyGPT runs on this CPU
+SAVED_CPU_PRICE = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "engine-cost.json"
 
 
 @dataclass(frozen=True)
@@ -28,15 +32,15 @@ class KVCrossover(Question):
     batch_size: int
     answer_format = "a number of tokens, e.g. 300"
 
-    def sizes(self) -> dict[str, int]:
+    def sizes(self, config=None) -> dict[str, int]:
         """Bytes of the linear layers' weights ("weights"), of the LM head among them ("lm_head"),
         of the embedding table, which no GEMM reads ("embedding"), and of the keys and values
-        of one token of context ("kv")."""
+        of one token of context ("kv"): of the question's TinyGPT, or of `config`'s."""
         import torch
 
         from labkit.engine import ModelConfig, TinyGPT
 
-        model = TinyGPT(ModelConfig(d_model=self.d_model, d_ff=self.d_ff), seed=0)
+        model = TinyGPT(config or ModelConfig(d_model=self.d_model, d_ff=self.d_ff), seed=0)
         weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
         return {"weights": BYTES_PER_VALUE * weights, "lm_head": BYTES_PER_VALUE * model.lm_head.weight.numel(),
                 "embedding": BYTES_PER_VALUE * model.model.embed_tokens.weight.numel(),
@@ -63,13 +67,33 @@ class KVCrossover(Question):
                 return incorrect(f"{tokens:,.0f}: {message}")
         return incorrect(f"{tokens:,.0f} is not it. {self.hint_text()}")
 
+    def scaled(self) -> tuple[float, float, int]:
+        """The lesson's TinyGPT's crossover; that crossover scaled as if every weight grew with the
+        square of the width and keys and values with the width; and how many times the width grew."""
+        from labkit.engine import ModelConfig
+
+        lesson = ModelConfig()
+        size = self.sizes(lesson)
+        base, widening = self.crossover(size["weights"], size), self.d_model / lesson.d_model
+        return base, base * widening, widening
+
     def slips(self, size: dict[str, int], expected: float) -> list[tuple[float, str]]:
-        """(the answer a likely slip gives, what the slip was), nearest answers first."""
+        """(the answer a likely slip gives, what the slip was), nearest answers first; where two
+        slips give one answer, the first message names both."""
+        base, scaled, widening = self.scaled()
+        embedding = self.crossover(size["weights"] + size["embedding"], size)
+        also = (" (Counting the embedding table, which no GEMM reads, gives the same number.)"
+                if math.isclose(scaled, embedding, rel_tol=0.005) else "")
         return [
+            (scaled,
+             f"that scales the lesson's {base:,.0f} tokens by the width, as if every weight grew {widening ** 2:g} "
+             f"times and keys and values {widening:g} times. The LM head is vocab × d_model, and the vocabulary "
+             f"does not change, so it grows only {widening:g} times: count the weights again at the new "
+             f"width.{also}"),
             (self.crossover(size["weights"] - size["lm_head"], size),
              f"that leaves out the LM head ({size['lm_head'] // BYTES_PER_VALUE:,} weights, vocab × d_model): it is a "
              "linear layer too, and every step reads it."),
-            (self.crossover(size["weights"] + size["embedding"], size),
+            (embedding,
              f"that counts the embedding table ({size['embedding'] // BYTES_PER_VALUE:,} weights) as well: a step "
              "looks up one row of it per token and never reads the rest, so it is not a GEMM's weight read."),
             (self.batch_size * expected,
@@ -102,7 +126,7 @@ class WeightBoundStep(Question):
 
     def seconds(self, rows: int, kv_terms: bool = True, price: CostModel | None = None) -> float:
         price = price or weight_bound_price()
-        return price.step_seconds(0, rows, rows * self.context if kv_terms else 0)
+        return price.step_seconds(0, rows, rows * self.context if kv_terms else 0, num_requests=rows)
 
     def expected(self) -> float:
         return self.seconds(self.rows) / self.seconds(1)
@@ -114,6 +138,7 @@ class WeightBoundStep(Question):
         ratio = real_number(answer, "ratio")
         expected, without_kv = self.expected(), self.ratio_of(kv_terms=False)
         added = self.ratio_of(price=replace(weight_bound_price(), roofline=False))
+        this_cpu = self.ratio_of(price=CostModel.load(SAVED_CPU_PRICE)) if SAVED_CPU_PRICE.exists() else None
         if math.isclose(ratio, expected, rel_tol=0.02):
             return correct(f"{expected:.2f}×: {1000 * self.seconds(self.rows):.2f} ms against "
                            f"{1000 * self.seconds(1):.2f} ms. Without the keys and values it would be "
@@ -125,6 +150,10 @@ class WeightBoundStep(Question):
         if math.isclose(ratio, added, rel_tol=0.01):
             return incorrect(f"{ratio:g} adds the arithmetic to the memory traffic. The GPU computes while it "
                              "streams, so a step takes the larger of the two (price.roofline is True).")
+        if this_cpu is not None and math.isclose(ratio, this_cpu, rel_tol=0.02):
+            return incorrect(f"{ratio:g} is what this CPU's saved price gives (TinyGPT's fitted cost), where every row "
+                             "costs real time. The question is about the H200 serving Llama 3.1 8B: price = "
+                             "lk.hardware.weight_bound_price().")
         if math.isclose(ratio, self.rows, rel_tol=0.05):
             return incorrect(f"{ratio:g} would be {self.rows} separate steps. One step reads the weights once for "
                              "every row in it.")

@@ -15,6 +15,9 @@ from labkit.viz.figures import GRID, request_color
 AXES = {"batch size": "batch size (requests per step)", "context": "context (tokens in each request's cache)"}
 PARTS = ("GEMMs", "attention", "other")
 PER_TOKEN = {False: "ms per token", True: "per token, share of the smallest batch's"}
+PER_TOKEN_AXIS = {False: "ms per token", True: "per token, share<br>of the smallest batch's"}  # fits its panel
+MARK_DASHES = ("dot", "dash", "dashdot", "longdash")
+MARK_COLORS = ("dimgrey", "#8c564b", "#2ca02c", "#9467bd")  # apart from the curves' colours
 
 
 def step_time_curve(seconds: dict[str, dict[int, float]], against: str = "batch size", *,
@@ -24,7 +27,8 @@ def step_time_curve(seconds: dict[str, dict[int, float]], against: str = "batch 
     log axis) or context (on a linear one). Against batch size, a second panel below shows each
     curve's time per token, on a scale of its own, in the same colour; with `relative`, as a
     share of that curve's time per token at its smallest batch, so curves of different scales
-    compare. `marks` draws a dotted vertical line at each x, labelled with its name."""
+    compare. `marks` draws a vertical line at each x, across the step-time panel, each in a dash of its
+    own and named in the legend (labels on the plot would overlap where marks lie close)."""
     if against not in AXES:
         raise ValueError(f"against = {against!r}: must be one of {', '.join(AXES)}")
     per_token = against == "batch size"
@@ -40,8 +44,11 @@ def step_time_curve(seconds: dict[str, dict[int, float]], against: str = "batch 
             y = (ms / x) / (ms[0] / x[0]) if relative else ms / x
             fig.add_trace(go.Scatter(x=x, y=y, mode="lines+markers", name=f"{name}: {PER_TOKEN[relative]}",
                                      line=dict(color=color, dash="dash")), row=2, col=1)
-    for label, x in (marks or {}).items():
-        fig.add_vline(x=x, line_dash="dot", line_color="grey", annotation_text=label, annotation_position="top left")
+    top = 1.05 * max(1000 * max(by_x.values()) for by_x in seconds.values())
+    for i, (label, x) in enumerate((marks or {}).items()):
+        style = dict(color=MARK_COLORS[i % len(MARK_COLORS)], dash=MARK_DASHES[i % len(MARK_DASHES)])
+        fig.add_trace(go.Scatter(x=[x, x], y=[0, top], mode="lines", name=label, hoverinfo="name", line=style),
+                      row=1, col=1)
     fig.update_layout(title=title or f"Decode step time against {against}", height=380 + 160 * per_token,
                       plot_bgcolor="white", showlegend=True)
     if per_token:  # batch sizes double: a log axis spaces them evenly
@@ -52,7 +59,7 @@ def step_time_curve(seconds: dict[str, dict[int, float]], against: str = "batch 
     fig.update_xaxes(title=AXES[against], row=1 + per_token, col=1)
     fig.update_yaxes(title="ms per step", rangemode="tozero", gridcolor=GRID, row=1, col=1)
     if per_token:
-        fig.update_yaxes(title=PER_TOKEN[relative], rangemode="tozero", gridcolor=GRID, row=2, col=1)
+        fig.update_yaxes(title=PER_TOKEN_AXIS[relative], rangemode="tozero", gridcolor=GRID, row=2, col=1)
     return fig
 
 
