@@ -12,6 +12,7 @@ import labkit as lk
     ([3.62, 1.98], True, "the whole queue takes 9 steps instead of 8"),
     ((2.0, 3.6), False, "swapped"),
     ((2.6, 1.0), False, "add 1 to each"),
+    ((18, 10), False, "those are the totals of the 5 TTFTs; the question asks for their mean: divide each by 5"),
     ((5.6, 4.0), False, "end-to-end latency"),
     ((8.8, 4.2), False, "one slot"),
     ((1, 1), False, "is not it. Draw 2 rows"),

@@ -61,6 +61,9 @@ class ShortestFirst(NumberPair):
             ((float(np.mean(fcfs.ttft)) - 1, float(np.mean(shortest.ttft)) - 1),
              "close: those are the steps each request waits before it starts. TTFT counts the step that emits "
              "the first token too, so add 1 to each."),
+            ((float(np.sum(fcfs.ttft)), float(np.sum(shortest.ttft))),
+             f"those are the totals of the {len(self.output_lengths)} TTFTs; the question asks for their mean: "
+             f"divide each by {len(self.output_lengths)}."),
             ((float(np.mean(fcfs.latency)), float(np.mean(shortest.latency))),
              "those are the mean times to the last token (end-to-end latency); TTFT stops at the first."),
             (one_slot, f"that is the answer for one slot; there are {self.num_slots}, and a request joins the "
