@@ -10,8 +10,8 @@ import importlib
 
 from labkit import theory
 from labkit.analysis import ByPrice, CostModel, by_price, capacity, hardware, metrics, multiplier, two_prices
-from labkit.sched import (Continuous, Decision, Dynamic, Priority, SchedulerState, ShortestPredictedFirst, Static,
-                          StepLog, simulate)
+from labkit.sched import (Continuous, Decision, Dynamic, ExecutionShape, Priority, SchedulerState,
+                          ShortestPredictedFirst, Static, StepLog, simulate, vllm_capture_sizes)
 from labkit.traffic import Trace
 
 __all__ = [
@@ -20,6 +20,7 @@ __all__ = [
     "CostModel",
     "Decision",
     "Dynamic",
+    "ExecutionShape",
     "Priority",
     "SchedulerState",
     "ShortestPredictedFirst",
@@ -36,6 +37,7 @@ __all__ = [
     "theory",
     "two_prices",
     "viz",
+    "vllm_capture_sizes",
 ]
 
 

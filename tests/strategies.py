@@ -37,17 +37,28 @@ def prompted_traces(draw, with_priorities=False):
 
 
 @st.composite
+def shapes(draw, num_slots):
+    """An engine's execution shape: decode sizes (or any), and a most tokens per step (or none)."""
+    sizes = draw(st.one_of(st.none(), st.lists(st.integers(1, 8), min_size=1, max_size=4)))
+    max_num_tokens = draw(st.one_of(st.none(), st.integers(num_slots, 40)))
+    return lk.ExecutionShape(decode_sizes=sizes, max_num_tokens=max_num_tokens)
+
+
+@st.composite
 def knobs(draw, kinds=(lk.Continuous,)):
     """A Continuous-like policy (or Priority, ShortestPredictedFirst) with every knob drawn."""
     kind = draw(st.sampled_from(kinds))
     extra = {"noise": draw(st.sampled_from([0.0, 0.5, 2.0]))} if kind is lk.ShortestPredictedFirst else {}
+    num_slots = draw(st.integers(1, 5))
     return kind(
-        draw(st.integers(1, 5)),
+        num_slots,
         num_blocks=draw(st.one_of(st.none(), st.integers(8, 40))),
         block_size=draw(st.integers(1, 6)),
         max_tokens_per_step=draw(st.one_of(st.none(), st.integers(1, 40))),
         chunked_prefill=draw(st.booleans()),
         victim=draw(st.sampled_from(["newest", "longest"])),
         reserve=draw(st.sampled_from(["on_demand", "whole"])),
+        shape=draw(shapes(num_slots)),
+        min_shape_fill=draw(st.sampled_from([0.0, 0.5, 1.0])),
         **extra,
     )

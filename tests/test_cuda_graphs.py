@@ -1,7 +1,8 @@
 """Decode steps replayed from graphs equal the plain forward pass.
 
-On the CPU, `eager_capture` stands in for CUDA's capture: the buckets, the padding and the
-static buffers are then checked everywhere. The tests marked `gpu` capture real CUDA graphs;
+On the CPU, `eager_capture` stands in for CUDA's capture: the buckets and the static
+buffers are then checked everywhere (rows that pad a step to a graph's size are the
+scheduler's, tests/test_shape.py). The tests marked `gpu` capture real CUDA graphs;
 they are skipped, with the reason, where no CUDA device is present."""
 
 import numpy as np
@@ -78,7 +79,8 @@ def record_graph_replays(monkeypatch) -> list[int]:
 def test_replayed_decodes_equal_the_plain_forward():
     model = TinyGPT(CONFIG, seed=0).eval()
     graphs = compare(model, eager_capture, sizes=[3, 1, 5, 8, 2, 5, 7])
-    assert {batch for batch, _ in graphs.buckets} == {4, 1, 8, 2}  # steps padded up to powers of two
+    assert {batch for batch, _ in graphs.buckets} == {3, 1, 5, 8, 2, 7}  # a graph per batch size met: the scheduler
+    # pads a step to the engine's shape before it arrives, so no row is computed unlogged
 
 
 @pytest.mark.parametrize("policy", [lk.Static(3), lk.Static(3, num_blocks=20, block_size=4),
@@ -94,24 +96,13 @@ def test_an_engine_that_replays_decodes_gives_the_same_tokens(policy, monkeypatc
     assert len(replays) == int((plain.prefill_tokens.sum(axis=1) == 0).sum()) > 0  # every pure decode step, no other
 
 
-def test_padding_rows_stay_in_the_padding_block(monkeypatch):
-    """Negative control: pad into a lendable block instead, and that block's keys change."""
-    model = TinyGPT(CONFIG, seed=0).eval()
-    cache = filled_cache()
-    monkeypatch.setattr(PagedKVCache, "padding_block", property(lambda self: 0))
-    before = cache.k[:, 0].clone()
-    with torch.inference_mode():
-        DecodeGraphs(model, cache, capture=eager_capture)(decode_batch(0, 3))
-    assert not torch.equal(cache.k[:, 0], before)
-
-
 def test_only_pure_decode_steps_replay():
     decode = StepBatch.build([[1], [2]], [3, 5], [[0, 1], [2, 3]], BLOCK_SIZE)
     mixed = StepBatch.build([[1], [2, 3, 4]], [3, 0], [[0, 1], [2, 3]], BLOCK_SIZE)
     assert DecodeGraphs.can_run(decode) and not DecodeGraphs.can_run(mixed)
 
 
-def test_buckets_are_powers_of_two():
+def test_context_buckets_are_powers_of_two():
     assert [next_power_of_two(n) for n in (1, 2, 3, 5, 8, 9, 33)] == [1, 2, 4, 8, 8, 16, 64]
 
 
@@ -143,6 +134,19 @@ def test_cuda_graphs_give_the_same_tokens_as_eager_steps():
     runs = [Engine(CONFIG, device="cuda", seed=0, cuda_graphs=on).run(trace, lk.Continuous(4), progress=False)
             for on in (True, False)]
     assert runs[0].outputs == runs[1].outputs
+
+
+@gpu
+def test_cuda_engine_replays_graphs_at_the_shape_sizes(monkeypatch):
+    trace = lk.Trace.from_lengths([6] * 9, prompt_lengths=[2] * 9)
+    engine = Engine(CONFIG, device="cuda", seed=0)
+    policy = lk.Continuous(16, shape=engine.execution_shape([8, 16]))
+    sizes = []
+    record = DecodeGraphs.__call__
+    monkeypatch.setattr(DecodeGraphs, "__call__", lambda self, batch: sizes.append(batch.num_requests) or record(self, batch))
+    log = engine.run(trace, policy, progress=False)
+    assert sizes == [16] * 5 and log.num_rows.tolist() == [9, 16, 16, 16, 16, 16]
+    assert log.outputs == engine.run(trace, lk.Continuous(16), progress=False).outputs
 
 
 @gpu

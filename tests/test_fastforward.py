@@ -41,6 +41,7 @@ def assert_same_log(jumped: lk.StepLog, stepped: lk.StepLog) -> None:
     np.testing.assert_allclose(jumped.step_start, stepped.step_start)
     assert jumped.num_blocks_used.tolist() == stepped.num_blocks_used.tolist()
     assert jumped.prefill_tokens.tolist() == stepped.prefill_tokens.tolist()
+    assert jumped.num_shape_padded_rows.tolist() == stepped.num_shape_padded_rows.tolist()
     assert jumped.num_emitted.tolist() == stepped.num_emitted.tolist()
     assert jumped.preempted_at == stepped.preempted_at
     assert (jumped.num_preemptions, jumped.recomputed_tokens) == (stepped.num_preemptions, stepped.recomputed_tokens)
@@ -72,10 +73,15 @@ def test_with_every_knob_the_fast_forward_equals_the_plain_loop(trace, policy, t
         assert jumped.num_blocks_used.max() <= policy.num_blocks
     assert jumped.num_tokens == trace.output_lengths.sum() and (jumped.finish_step >= 0).all()
     # every prompt once, every output but the last fed back once, and the thrown-away cache again
-    processed = (jumped.num_prefill_tokens + jumped.num_decode_tokens).sum()
-    assert processed == (1 + trace.prompt_lengths + trace.output_lengths - 1).sum() + jumped.recomputed_tokens
-    if policy.max_tokens_per_step is not None:
-        assert (jumped.num_prefill_tokens + jumped.num_decode_tokens).max() <= policy.max_tokens_per_step
+    # (rows that pad a decode step to the engine's shape are work, but feed no request's token)
+    processed = jumped.num_prefill_tokens + jumped.num_decode_tokens - jumped.num_shape_padded_rows
+    assert processed.sum() == (1 + trace.prompt_lengths + trace.output_lengths - 1).sum() + jumped.recomputed_tokens
+    if policy.token_budget is not None:
+        assert processed.max() <= policy.token_budget
+    sizes = policy.shape.decode_sizes
+    pure_decodes = jumped.num_prefill_tokens == 0
+    if sizes is not None:  # every pure decode step runs at a size the engine has, or past the largest
+        assert all(rows in sizes or rows > sizes[-1] for rows in jumped.num_rows[pure_decodes].tolist())
 
 
 @settings(max_examples=80, deadline=None)

@@ -5,10 +5,11 @@ one by one from Python takes longer than running them. A CUDA graph records one 
 kernels once and replays them all with a single launch, as vLLM and nano-vllm do for
 decode steps. A graph fixes every shape and every address, so:
 
-- a graph serves a bucket: up to `batch_size` requests with contexts up to `context_len`
-  tokens. A step is padded up to its bucket (powers of two); padding rows feed token 0
-  at position 0, write to and read from the cache's padding block only, and their logits
-  are dropped;
+- a graph serves a bucket: exactly `batch_size` rows with contexts up to `context_len`
+  tokens (the next power of two). The step arrives at a batch size the engine runs: the
+  scheduler pads it to the policy's `ExecutionShape.decode_sizes` (`labkit.sched.shape`),
+  so the padded rows are logged and priced, and a graph is captured per size met. Rows
+  past a context feed nothing more: their table's tail is the cache's padding block;
 - each graph owns static input buffers; a step's inputs are copied into them before the
   replay, and nothing the graph reads is ever reallocated;
 - graphs are captured on a bucket's first use and kept for the run; all share one memory
@@ -104,7 +105,7 @@ class DecodeGraphs:
 
     def _bucket(self, batch: StepBatch) -> _Bucket:
         block_size = self.cache.block_size
-        batch_size = next_power_of_two(batch.num_requests)
+        batch_size = batch.num_requests
         num_blocks = next_power_of_two(num_blocks_for(max(batch.context_lens), block_size))
         key = (batch_size, num_blocks * block_size)
         if key not in self.buckets:
@@ -119,7 +120,7 @@ class DecodeGraphs:
         return self.buckets[key]
 
     def _load(self, bucket: _Bucket, batch: StepBatch) -> None:
-        """Copy the step into the bucket's buffers; rows past it pad, in the padding block."""
+        """Copy the step into the bucket's buffers; table entries past a request's blocks point at the padding block."""
         num_rows = batch.num_requests
         num_blocks = min(batch.block_tables.shape[1], bucket.block_tables.shape[1])  # a table may reserve more
         padding_block = self.cache.padding_block

@@ -15,7 +15,9 @@ Invariants:
 - a step feeds each row exactly the tokens the scheduler gave it: the next `n` uncomputed
   ones (a prompt, a chunk, a recompute after preemption, or the last output); a padded row
   (a finished request kept computing, n = 0) feeds its last computed token again, rewriting
-  its own cache entry in place, and samples nothing;
+  its own cache entry in place, and samples nothing; a shape-padding row (the rows that bring
+  a pure decode step to a batch size the engine runs, `Batch.num_shape_padding`) feeds token
+  0 at position 0 into the cache's padding block, and samples nothing;
 - a row samples a token exactly when its step leaves none of its tokens uncomputed.
 """
 
@@ -118,7 +120,8 @@ class ModelRunner:
         return tokens
 
     def prepare(self, batch: Batch) -> PreparedStep:
-        """The step's inputs: the batch's rows, then its padding (finished requests, 0 new tokens)."""
+        """The step's inputs: the batch's rows, then its padding (finished requests, 0 new
+        tokens), then its shape padding (token 0 at position 0, in the padding block)."""
         if self.extra_host_seconds:
             self.extra_host_work(self.extra_host_seconds)
         rows = [*batch.rows, *((request, 0) for request in batch.padding)]
@@ -130,6 +133,10 @@ class ModelRunner:
             new_tokens.append(self.tokens(request, first, max(num_tokens, 1)))
             starts.append(first)
         tables = [request.block_table for request, _ in rows]
+        for _ in range(batch.num_shape_padding):
+            new_tokens.append([0])
+            starts.append(0)
+            tables.append([self.cache.padding_block])
         inputs = StepBatch.build(new_tokens, starts, tables, self.cache.block_size, self.device)
         emitting = [i for i, (request, n) in enumerate(rows) if n and n == request.num_uncomputed]
         return PreparedStep(inputs, emitting, [rows[i][0] for i in emitting])

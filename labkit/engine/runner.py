@@ -28,7 +28,12 @@ Invariants:
   is computed anyway, as a padded row whose output is thrown away (as Hugging Face's
   `generate` does); with `drop_finished=True` only live rows are computed. The padded
   rows are the batch's (`labkit.sched.state.Batch.padding`), so the simulator prices
-  exactly the rows the engine computes.
+  exactly the rows the engine computes;
+- the batches it runs are the policy's `shape` (`labkit.sched.shape.ExecutionShape`): a
+  pure decode step is padded to the smallest of its decode sizes that holds it (on CUDA a
+  graph is captured per size; on the CPU the same padded step runs eagerly), and the
+  padded rows are the batch's too (`Batch.num_shape_padding`); `execution_shape` gives a
+  shape whose `max_seq_len` is the model's, and a longer one is refused.
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ from labkit.sched.driver import drive
 from labkit.sched.overlap import drive_overlapped
 from labkit.sched.policy import check_policy
 from labkit.sched.scheduler import kv_pool
+from labkit.sched.shape import ExecutionShape
 from labkit.traffic import Trace
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -129,6 +135,7 @@ class Engine:
         progress: show a progress bar for runs longer than about a second.
         """
         check_policy(policy)
+        self._check_shape(policy.shape)
         self._check_fits(trace)
         self._check_vocabulary(trace)
         blocks = kv_pool(policy, int(sequence_lengths(trace).max()))
@@ -182,6 +189,17 @@ class Engine:
     def count_step_operations(self, batch_size: int, context_len: int = 128) -> int:
         """Operations one eager decode step asks the framework for."""
         return count_step_operations(self, batch_size, context_len)
+
+    def execution_shape(self, decode_sizes=None, max_num_tokens: int | None = None) -> ExecutionShape:
+        """The batches this engine runs: `decode_sizes` (its graph sizes; None: any), at most
+        `max_num_tokens` tokens a step, and sequences up to its model's `max_seq_len`."""
+        return ExecutionShape(decode_sizes, max_num_tokens, self.config.max_seq_len)
+
+    def _check_shape(self, shape: ExecutionShape) -> None:
+        """A ValueError if a policy's shape promises sequences longer than the model takes."""
+        if shape.max_seq_len is not None and shape.max_seq_len > self.config.max_seq_len:
+            raise ValueError(f"policy.shape.max_seq_len = {shape.max_seq_len} is more than this model's max_seq_len "
+                             f"{self.config.max_seq_len}; use engine.execution_shape(...)")
 
     def fits(self, trace: Trace) -> np.ndarray:
         """bool per request: whether its whole sequence fits the model's `max_seq_len`."""

@@ -8,6 +8,7 @@ from labkit.sched.driver import drive
 from labkit.sched.ordered import Priority, ShortestPredictedFirst
 from labkit.sched.policy import Continuous, Dynamic, Static
 from labkit.sched.scheduler import Scheduler
+from labkit.sched.shape import ExecutionShape, vllm_capture_sizes
 from labkit.sched.simulator import DEFAULT_STEP_TIME, simulate
 from labkit.sched.state import Decision, Request, SchedulerState
 from labkit.sched.steplog import StepLog
@@ -19,6 +20,7 @@ __all__ = [
     "DEFAULT_STEP_TIME",
     "Decision",
     "Dynamic",
+    "ExecutionShape",
     "Priority",
     "Request",
     "Scheduler",
@@ -27,5 +29,6 @@ __all__ = [
     "Static",
     "StepLog",
     "drive",
+    "vllm_capture_sizes",
     "simulate",
 ]

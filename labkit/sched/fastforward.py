@@ -77,8 +77,11 @@ def fast_forward(trace: Trace, policy, backend: PlannedBackend, blocks: BlockPoo
 def repeats(decision: Decision, batch: Batch, first: StepRecord) -> bool:
     """Whether the steps after the `first` are scheduled alike until the next event: every
     request emits in it, so it decodes next; nobody was preempted (a preempting step admits
-    nobody); and no waiting request was held back only by budget this step's prefills use."""
+    nobody); the decodes after a step with prefills are not padded to a shape it was not;
+    and no waiting request was held back only by budget this step's prefills use."""
     if decision.preempt or first.num_emitted < batch.size:
+        return False
+    if first.prefills and batch.decode_size > batch.num_rows:
         return False
     return decision.blocked != NO_BUDGET or not first.prefills
 

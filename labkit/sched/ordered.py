@@ -63,12 +63,12 @@ class Priority(Continuous):
         return max(candidates, key=lambda r: (r.priority, r.admitted_order))
 
     def schedule(self, state: SchedulerState) -> Decision:
-        plan = StepPlan(state, self.max_tokens_per_step)
+        plan = StepPlan(state, self.token_budget)
         decision = self.fill(plan)
         if self.preempt_for_waiting and decision.blocked in (NO_SLOT, NO_BLOCKS) and not decision.preempt:
             victims = self.victims_for(plan, state.waiting[len(plan.admitted)])
             if victims:  # decide again, with them out: a preempting step admits nobody
-                room = StepPlan(state, self.max_tokens_per_step)
+                room = StepPlan(state, self.token_budget)
                 for victim in victims:
                     room.preempt(victim)
                 return replace(self.fill(room), blocked=decision.blocked)  # why the head still waits

@@ -20,7 +20,12 @@ Knobs, and the vLLM setting each one plays:
   one (vLLM's paging); "whole" takes every block of its whole length at admission, as
   Orca's continuous batching did (and as static batching always does);
 - `drop_finished` (Static): whether a finished request that keeps its slot stops computing
-  its row (by default it computes one padded token a step, as Hugging Face's `generate` does).
+  its row (by default it computes one padded token a step, as Hugging Face's `generate` does);
+- `shape`: the batches the engine runs (`labkit.sched.shape.ExecutionShape`): decode batch
+  sizes (`cudagraph_capture_sizes`), the most tokens a step may process
+  (`max_num_batched_tokens`) and the longest sequence (`max_model_len`);
+- `min_shape_fill` (Continuous): admission grows the decode batch into a larger supported
+  size only if it fills at least this share of it (0, the default, always grows, as vLLM does).
 
 Invariant every policy keeps: its decision depends only on who waits, who holds which
 slot, how far each request has got, the free blocks, and the clock compared with the
@@ -43,11 +48,13 @@ from dataclasses import dataclass, field, fields
 
 from labkit.checks import flag, number, whole_number
 from labkit.sched.blocks import num_blocks_for
+from labkit.sched.shape import ExecutionShape
 from labkit.sched.state import Decision, Request, SchedulerState
 
 NO_SLOT = "no_slot"
 NO_BLOCKS = "no_blocks"
 NO_BUDGET = "no_budget"
+NO_SHAPE = "no_shape"  # admitting the head would run the decode batch at a size mostly padded
 BATCH_FORMING = "batch_forming"
 VICTIMS = ("newest", "longest")
 RESERVES = ("on_demand", "whole")
@@ -88,6 +95,7 @@ class _Policy:
     num_slots: int
     num_blocks: int | None = field(default=None, kw_only=True)
     block_size: int = field(default=16, kw_only=True)
+    shape: ExecutionShape = field(default=ExecutionShape(), kw_only=True)
     reserves_whole_length = False  # whether admission takes every block a request will need
     pads_finished = False  # whether a finished request that holds its slot still computes a row each step
     admits_in_order = True  # FCFS: while the head of the queue is blocked, arrivals change nothing
@@ -97,11 +105,16 @@ class _Policy:
         whole_number("num_slots", self.num_slots)
         whole_number("num_blocks", self.num_blocks, or_none=True)
         whole_number("block_size", self.block_size)
+        if not isinstance(self.shape, ExecutionShape):
+            raise ValueError(f"shape = {self.shape!r}: must be a labkit.ExecutionShape, such as "
+                             "ExecutionShape(decode_sizes=[8, 16])")
+        self.shape.check_policy(self.num_slots)
 
     __repr__ = _short_repr
 
     def check_fits(self, request: Request) -> None:
         """A ValueError, before any work, if `request` can never be served."""
+        self.shape.check_fits(request)
         need = num_blocks_for(request.max_context_len, self.block_size)
         if self.num_blocks is not None and need > self.num_blocks:
             raise ValueError(
@@ -123,11 +136,15 @@ class Continuous(_Policy):
     chunked_prefill: bool = field(default=False, kw_only=True)
     victim: str = field(default="newest", kw_only=True)
     reserve: str = field(default="on_demand", kw_only=True)
+    min_shape_fill: float = field(default=0.0, kw_only=True)
 
     def __post_init__(self):
         super().__post_init__()
         whole_number("max_tokens_per_step", self.max_tokens_per_step, or_none=True)
         flag("chunked_prefill", self.chunked_prefill)
+        number("min_shape_fill", self.min_shape_fill, or_equal=True)
+        if self.min_shape_fill > 1:
+            raise ValueError(f"min_shape_fill = {self.min_shape_fill!r}: must be a share of a batch, in [0, 1]")
         if self.victim not in VICTIMS:
             raise ValueError(f"victim = {self.victim!r}: choose one of {VICTIMS}")
         if self.reserve not in RESERVES:
@@ -138,6 +155,12 @@ class Continuous(_Policy):
         return self.reserve == "whole"
 
     @property
+    def token_budget(self) -> int | None:
+        """Tokens a step may process: the policy's budget or the engine's shape, the smaller."""
+        limits = [n for n in (self.max_tokens_per_step, self.shape.max_num_tokens) if n is not None]
+        return min(limits) if limits else None
+
+    @property
     def may_preempt(self) -> bool:
         """Whether a running request can be pushed out and later recompute its whole context."""
         return self.num_blocks is not None
@@ -145,15 +168,17 @@ class Continuous(_Policy):
     def check_fits(self, request: Request) -> None:
         super().check_fits(request)
         longest_prefill = request.max_context_len if self.may_preempt else request.num_prompt_tokens
-        if not self.chunked_prefill and self.max_tokens_per_step is not None and longest_prefill > self.max_tokens_per_step:
+        budget = self.token_budget
+        if not self.chunked_prefill and budget is not None and longest_prefill > budget:
             what = "prompt plus outputs to recompute after a preemption" if self.may_preempt else "prompt"
+            limit = ("max_tokens_per_step" if budget == self.max_tokens_per_step else "shape.max_num_tokens")
             raise ValueError(
                 f"request {request.id}: its {what} can take {longest_prefill} tokens in one step, more than "
-                f"max_tokens_per_step = {self.max_tokens_per_step}; allow chunked_prefill=True or raise the budget"
+                f"{limit} = {budget}; allow chunked_prefill=True or raise the budget"
             )
 
     def schedule(self, state: SchedulerState) -> Decision:
-        return self.fill(StepPlan(state, self.max_tokens_per_step))
+        return self.fill(StepPlan(state, self.token_budget))
 
     def fill(self, plan: StepPlan) -> Decision:
         """Schedule the running requests, oldest first, then admit waiting ones if nobody was preempted."""
@@ -186,9 +211,12 @@ class Continuous(_Policy):
     def admit_waiting(self, plan: StepPlan) -> str:
         """Admit waiting requests in queue order while slots, blocks and budget last; returns
         why the head waits ("" if nobody does)."""
+        most = self.admissions_the_shape_allows(plan)
         for request in plan.state.waiting:
             if not plan.free_slots:
                 return NO_SLOT
+            if len(plan.admitted) == most:
+                return NO_SHAPE
             num_tokens = plan.tokens_for(request, self.chunked_prefill)
             if not num_tokens:
                 return NO_BUDGET
@@ -197,6 +225,16 @@ class Continuous(_Policy):
                 return NO_BLOCKS
             plan.admit(request, num_tokens, num_new_blocks)
         return ""
+
+    def admissions_the_shape_allows(self, plan: StepPlan) -> float:
+        """How many waiting requests may join before the decode batch would grow into a
+        supported size it fills less than `min_shape_fill` of: then only up to the largest
+        size it fills (`ExecutionShape.rows_to_run`). Unlimited when `min_shape_fill` is 0."""
+        if not self.min_shape_fill:
+            return math.inf
+        num_running = plan.state.num_slots - plan.free_slots
+        num_wanted = num_running + min(plan.free_slots, len(plan.state.waiting))
+        return self.shape.rows_to_run(num_running, num_wanted, self.min_shape_fill) - num_running
 
     def blocks_to_admit(self, state: SchedulerState, request: Request, num_tokens: int) -> int:
         """Blocks a waiting request takes when admitted: those its first `num_tokens` fill, or,
@@ -287,6 +325,15 @@ class Static(_Policy):
     def pads_finished(self) -> bool:
         return not self.drop_finished
 
+    def check_fits(self, request: Request) -> None:
+        super().check_fits(request)
+        budget = self.shape.max_num_tokens
+        if budget is not None and request.num_prompt_tokens > budget:
+            raise ValueError(
+                f"request {request.id}: its prompt takes {request.num_prompt_tokens} tokens in one step, more than "
+                f"shape.max_num_tokens = {budget}, and static batching never splits a prompt"
+            )
+
     def schedule(self, state: SchedulerState) -> Decision:
         if state.running():
             return Decision(blocked=self._reason_while_running(state))
@@ -311,13 +358,18 @@ class Static(_Policy):
         return NO_BLOCKS if free_slot_but_no_blocks else NO_SLOT
 
     def _batch(self, state: SchedulerState, free_blocks: float) -> tuple[list[Request], str]:
-        """Up to `num_slots` waiting requests, FCFS, while their whole-length reservations fit."""
+        """Up to `num_slots` waiting requests, FCFS, while their whole-length reservations fit,
+        and their prompts fit the shape's `max_num_tokens` (the batch's first step runs them all)."""
         batch = []
+        budget = self.shape.max_num_tokens or math.inf
         for request in state.waiting_head(self.num_slots):
             need = state.blocks.num_blocks_for(request.max_context_len) if state.blocks is not None else 0
             if need > free_blocks:
                 return batch, NO_BLOCKS
+            if request.num_prompt_tokens > budget:
+                return batch, NO_BUDGET
             free_blocks -= need
+            budget -= request.num_prompt_tokens
             batch.append(request)
         return batch, NO_SLOT if len(state.waiting) > len(batch) else ""
 

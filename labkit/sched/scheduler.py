@@ -70,7 +70,7 @@ class Scheduler:
             decision = self.policy.schedule(self.state)
             self._apply(decision)
             self.decisions.append(decision)
-            batch = self.state.batch(decision, self.policy.pads_finished)
+            batch = self.state.batch(decision, self.policy.pads_finished, self.policy.shape)
             if batch.size or not (decision.release or decision.preempt):
                 break  # else slots or blocks came free: decide again at once
         self.state.allocate(batch)
@@ -100,11 +100,12 @@ class Scheduler:
 @dataclass(slots=True)
 class StepRecord:
     """What a run of `count` identical steps did, for the log: who worked in which slot, the
-    finished rows computed as padding, the queue, and the requests whose prefill chunks ran,
+    finished rows computed as padding, the rows that padded it to a shape the engine runs, the queue, and the requests whose prefill chunks ran,
     whose first token came, or who finished."""
 
     row: list[int]
     num_padded: int
+    num_shape_padded: int
     count: int
     num_queued: int
     blocked: str
@@ -131,14 +132,15 @@ class StepRecord:
                 if emits and not request.num_generated:
                     first_tokens.append(request.index)
         num_blocks_used = state.blocks.num_blocks - state.blocks.num_free_blocks if state.blocks is not None else 0
-        return cls(row, len(batch.padding), 1, len(state.waiting), blocked, state.now, num_emitted, num_blocks_used,
+        return cls(row, len(batch.padding), batch.num_shape_padding, 1, len(state.waiting), blocked, state.now, num_emitted, num_blocks_used,
                    state.num_steps, prefills, first_tokens, [])
 
     def log_to(self, log: StepLog, start: float, seconds, arrivals: np.ndarray | None = None) -> None:
         """Write the record into `log`, its steps starting at `start` and lasting `seconds` each
         (or a RunSeconds); `arrivals`: times of requests that join the queue during them."""
         log.append(self.row, self.count, self.num_queued, self.blocked, start, seconds, self.num_emitted,
-                   self.num_blocks_used, arrivals, self.num_padded)
+                   self.num_blocks_used, arrivals, self.num_padded,
+                   self.num_shape_padded)
         if self.prefills:
             log.mark_prefills(self.first_step, self.prefills)
         for index in self.first_tokens:

@@ -57,7 +57,8 @@ class ModeledStepTime:
     Over a run of steps the first processes each request's scheduled tokens and the rest
     are plain decodes, so the KV tokens read grow by one per request and step: the cost
     model prices the rest as one decode run, in closed form. A batch's padded rows (static
-    batching's finished requests) are priced in every step, at their frozen contexts, as the
+    batching's finished requests, at their frozen contexts, and rows that pad a decode step
+    to a size the engine runs, at one cache entry each) are priced in every step, as the
     engine computes them.
     """
 
@@ -69,14 +70,14 @@ class ModeledStepTime:
             return 1
         after_first = batch.work().num_kv_tokens + batch.size
         return 1 + self.cost.decode_run_length(batch.size, after_first, seconds - first, max_steps - 1,
-                                               len(batch.padding))
+                                               batch.num_padded_rows)
 
     def execute(self, state: SchedulerState, batch: Batch, log: StepLog, num_steps: int = 1) -> float | RunSeconds:
         log.record_kv_tokens(batch.work().num_kv_tokens, num_steps, batch.size)
         first = self._first_step_seconds(batch)
         if num_steps == 1:
             return first
-        rest = (batch.size, batch.work().num_kv_tokens + batch.size, num_steps - 1, len(batch.padding))  # decodes after the first
+        rest = (batch.size, batch.work().num_kv_tokens + batch.size, num_steps - 1, batch.num_padded_rows)  # decodes after the first
         per_step = partial(_prepend, first, partial(self.cost.decode_run_seconds, *rest))
         return RunSeconds(first + self.cost.decode_run_total(*rest), per_step)
 

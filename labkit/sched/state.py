@@ -43,6 +43,7 @@ from itertools import islice
 from typing import NamedTuple
 
 from labkit.sched.blocks import BlockPool
+from labkit.sched.shape import ExecutionShape
 
 
 @dataclass(frozen=True)
@@ -164,22 +165,38 @@ class StepWork(NamedTuple):
 
 
 class Batch:
-    """Who works in one step: `rows` of (request, tokens it processes), in slot order, and
+    """Who works in one step: `rows` of (request, tokens it processes), in slot order;
     `padding`, finished requests that still compute a row (static batching's, by default):
-    each feeds its last token again, at its own frozen context, and its output is thrown away."""
+    each feeds its last token again, at its own frozen context, and its output is thrown away;
+    and, in a pure decode step, `num_shape_padding` rows that bring it to `decode_size`, the
+    batch size the engine runs (`labkit.sched.shape`): each feeds one token at position 0
+    against one cache entry of its own, and emits nothing."""
 
-    __slots__ = ("rows", "size", "padding", "_work")
+    __slots__ = ("rows", "size", "padding", "decode_size", "num_shape_padding", "_work")
 
-    def __init__(self, rows: list[tuple[Request, int]], padding: list[Request] = ()):
+    def __init__(self, rows: list[tuple[Request, int]], padding: list[Request] = (), decode_size: int | None = None):
         self.rows = rows
         self.size = len(rows)
         self.padding = list(padding)
+        num_rows = self.size + len(self.padding)
+        self.decode_size = decode_size or num_rows  # rows a pure decode step of this batch computes
+        self.num_shape_padding = self.decode_size - num_rows if self.size and self.is_pure_decode else 0
         self._work: StepWork | None = None
 
     @property
+    def is_pure_decode(self) -> bool:
+        """Whether every row processes one token after an output: the steps a graph replays."""
+        return all(request.is_decoding for request, _ in self.rows)
+
+    @property
     def num_rows(self) -> int:
-        """Rows the step computes: the scheduled requests and the padding."""
-        return self.size + len(self.padding)
+        """Rows the step computes: the scheduled requests and both kinds of padding."""
+        return self.size + len(self.padding) + self.num_shape_padding
+
+    @property
+    def num_padded_rows(self) -> int:
+        """Rows the step computes that emit nothing: finished requests and shape padding."""
+        return len(self.padding) + self.num_shape_padding
 
     def work(self) -> StepWork:
         """The step's work, counted when first asked for (a back end that prices it asks)."""
@@ -191,8 +208,9 @@ class Batch:
                 else:
                     num_prefill_tokens += num_tokens
                 num_kv_tokens += request.num_computed + num_tokens
-            num_decode_tokens += len(self.padding)  # one token each, at the position it last computed
-            num_kv_tokens += sum(request.num_computed for request in self.padding)
+            num_decode_tokens += self.num_padded_rows  # one token each
+            num_kv_tokens += sum(request.num_computed for request in self.padding)  # at its frozen context
+            num_kv_tokens += self.num_shape_padding  # its one entry
             self._work = StepWork(num_prefill_tokens, num_decode_tokens, num_kv_tokens)
         return self._work
 
@@ -261,9 +279,10 @@ class SchedulerState:
             self._admit(request)
         return admitted
 
-    def batch(self, decision: Decision, pad_finished: bool = False) -> Batch:
+    def batch(self, decision: Decision, pad_finished: bool = False, shape: ExecutionShape = ExecutionShape()) -> Batch:
         """Who works in the step `decision` schedules (applied already), with how many tokens;
-        with `pad_finished`, the finished requests that hold slots compute padded rows."""
+        with `pad_finished`, the finished requests that hold slots compute padded rows; a pure
+        decode step is padded to the smallest of the `shape`'s decode sizes that holds it."""
         given = decision.num_tokens
         rows = []
         for request in self.slots:
@@ -271,7 +290,8 @@ class SchedulerState:
                 num_tokens = request.num_uncomputed if given is None else given.get(request.id, 0)
                 if num_tokens:
                     rows.append((request, num_tokens))
-        return Batch(rows, self.finished_in_slots() if pad_finished and rows else ())
+        padding = self.finished_in_slots() if pad_finished and rows else ()
+        return Batch(rows, padding, shape.decode_size(len(rows) + len(padding)))
 
     def add(self, request: Request) -> None:
         """A request that arrives while the engine runs joins the queue (an online server's

@@ -24,6 +24,8 @@ Invariants:
   (static batching's padding): their slots are idle in `slots` and in utilization, since
   they emit nothing useful, but the step's work (`num_decode_tokens`, `num_kv_tokens`,
   `num_rows`) counts them, because the step computes them;
+- `num_shape_padded_rows[s]` counts the rows that padded a pure decode step up to a batch
+  size the engine runs (`labkit.sched.shape`); they too are work and never a slot's use;
 - an engine also fills `outputs` (request id -> generated token ids), `phase_seconds`
   (where each measured step's time went) and `lanes` (wall-clock stretches of host and
   device work); a simulation leaves them empty;
@@ -77,6 +79,7 @@ class _Segment(NamedTuple):
     num_blocks_used: int | np.ndarray | Callable[[], np.ndarray]
     arrivals: np.ndarray | None  # arrival times of requests that join the queue during the steps
     num_padded: int  # finished rows computed as padding in each step
+    num_shape_padded: int  # rows that pad each step to a size the engine runs
 
 
 class RequestTimes:
@@ -130,15 +133,17 @@ class StepLog(RequestTimes):
     # Writing (back ends only)
 
     def append(self, row, count, num_queued, blocked, start, seconds, num_emitted, num_blocks_used=0, arrivals=None,
-               num_padded=0) -> None:
+               num_padded=0, num_shape_padded=0) -> None:
         """Record `count` identical steps: who works in which slot, queue depth, why the head
         waits, start time, seconds, output tokens emitted per step, and KV blocks held (a number,
         one per step, or a function that gives one per step when the log is read). `arrivals`:
         arrival times of requests that join the queue during these steps, each from the first
         step that starts at or after it (`num_queued` is the depth at the first step).
-        `num_padded`: finished rows each step computes as padding."""
+        `num_padded`: finished rows each step computes as padding; `num_shape_padded`: rows
+        that pad each step to a batch size the engine runs."""
         self._segments.append(
-            _Segment(row, count, num_queued, blocked, start, seconds, num_emitted, num_blocks_used, arrivals, num_padded)
+            _Segment(row, count, num_queued, blocked, start, seconds, num_emitted, num_blocks_used, arrivals, num_padded,
+                     num_shape_padded)
         )
         self.num_steps += count
         self.num_tokens += count * num_emitted
@@ -188,14 +193,19 @@ class StepLog(RequestTimes):
 
     @property
     def num_rows(self) -> np.ndarray:
-        """int [num_steps]: rows the step computes: the requests scheduled, and finished ones
-        computed as padding."""
-        return (self.slots >= 0).sum(axis=1) + self.num_padded_rows
+        """int [num_steps]: rows the step computes: the requests scheduled, finished ones
+        computed as padding, and rows that pad the step to a size the engine runs."""
+        return (self.slots >= 0).sum(axis=1) + self.num_padded_rows + self.num_shape_padded_rows
 
     @_per_step_array
     def num_padded_rows(self) -> np.ndarray:
         """int [num_steps]: finished requests that still computed a row (static batching's padding)."""
         return self._per_step("num_padded", np.int64)
+
+    @_per_step_array
+    def num_shape_padded_rows(self) -> np.ndarray:
+        """int [num_steps]: rows that padded a pure decode step up to a batch size the engine runs."""
+        return self._per_step("num_shape_padded", np.int64)
 
     @property
     def has_host_time(self) -> bool:
@@ -290,7 +300,7 @@ class StepLog(RequestTimes):
     @property
     def num_decode_tokens(self) -> np.ndarray:
         """int [num_steps]: decode tokens processed in the step, one per decoding request and
-        one per padded row."""
+        one per padded row of either kind."""
         return self.num_rows - (self.prefill_tokens > 0).sum(axis=1)
 
     @_per_step_array
