@@ -14,7 +14,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: lab teach check test bench notebooks student present clean
+.PHONY: lab teach check test bench notebooks student present vllm clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -75,6 +75,11 @@ $(VENV)/.present: $(STAMP)
 
 present: $(VENV)/.present
 	JUPYTER_PATH=$(CURDIR)/present $(VENV)/bin/voila notebooks/01_static_vs_continuous.ipynb --template=labkit --no-browser
+
+# vLLM's CPU build in a venv of its own (.venv-vllm; about 10 minutes and 3.4 GB), with the repairs it needs here.
+vllm: .venv-vllm/bin/vllm
+.venv-vllm/bin/vllm:
+	tools/install_vllm.sh .venv-vllm
 
 clean:
 	rm -rf $(VENV) build *.egg-info

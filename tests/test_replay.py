@@ -199,8 +199,8 @@ def closed_port_url() -> str:
 
 
 def by_prompt(stand_in: StandIn) -> dict[int, float]:
-    """When the stand-in received each request, by its one-token prompt."""
-    return {body["prompt"][0]: at for at, body in stand_in.behaviour.received}
+    """When the stand-in received each request, by its one-token prompt (after the begin-of-sequence id)."""
+    return {body["prompt"][-1]: at for at, body in stand_in.behaviour.received}
 
 
 # Tokens and times ------------------------------------------------------------------------------
@@ -251,7 +251,7 @@ def test_requests_replays_only_the_first_requests(stand_in):
 def test_every_request_asks_for_exactly_its_length(stand_in):
     replay(lk.Trace.from_lengths([4]), url=stand_in.url, model=MODEL, progress=False)
     [(_, body)] = stand_in.behaviour.received
-    assert body == {"model": MODEL, "prompt": [], "max_tokens": 4, "min_tokens": 4, "ignore_eos": True,
+    assert body == {"model": MODEL, "prompt": [0], "max_tokens": 4, "min_tokens": 4, "ignore_eos": True,
                     "return_token_ids": True, "stream": True, "stream_options": {"include_usage": True}}
 
 
@@ -268,10 +268,13 @@ def test_prompts_are_the_trace_s_own_or_drawn_as_the_engine_draws_them(stand_in)
     drawn = lk.Trace.from_lengths([1, 1, 1], prompt_lengths=[3, 0, 5])
     replay(drawn, url=stand_in.url, model=MODEL, seed=2, vocab_size=50, progress=False)
     sent = sorted(body["prompt"] for _, body in stand_in.behaviour.received)
-    assert sent == sorted(prompt_ids(i, n, seed=2, vocab_size=50) for i, n in enumerate([3, 0, 5]))
+    assert sent == sorted([0, *prompt_ids(i, n, seed=2, vocab_size=50)] for i, n in enumerate([3, 0, 5]))
     stand_in.behaviour.received.clear()
     own = lk.Trace.from_lengths([1, 1], prompt_tokens=[[9, 8], [7]])
-    replay(own, url=stand_in.url, model=MODEL, progress=False)
+    replay(own, url=stand_in.url, model=MODEL, bos_token_id=5, progress=False)
+    assert sorted(body["prompt"] for _, body in stand_in.behaviour.received) == [[5, 7], [5, 9, 8]]
+    stand_in.behaviour.received.clear()
+    replay(own, url=stand_in.url, model=MODEL, bos_token_id=None, progress=False)
     assert sorted(body["prompt"] for _, body in stand_in.behaviour.received) == [[7], [9, 8]]
 
 
@@ -530,7 +533,7 @@ def test_a_server_that_refuses_the_length_fields_and_token_ids_gets_neither_from
     assert max(map(len, said.splitlines())) > NOTE_WIDTH  # the control: unwrapped, the lines are longer
     sends = sends_by_length(stand_in)
     first = sends[5][0]  # the first request sent: before any refusal, as to any server
-    assert first["prompt"] == prompt_ids(0, 3) and first["ignore_eos"] is True and first["min_tokens"] == 5
+    assert first["prompt"] == [0, *prompt_ids(0, 3)] and first["ignore_eos"] is True and first["min_tokens"] == 5
     prompts = [byte_text(prompt_ids(i, n)) or " " for i, n in enumerate(prompt_lengths)]  # an empty one: a space
     assert [sends[n][-1] for n in lengths] == [
         {"model": MODEL, "prompt": prompt, "max_tokens": n, "stream": True, "stream_options": {"include_usage": True},
@@ -732,7 +735,7 @@ def test_the_command_reads_a_csv_trace_and_sends_its_first_requests(stand_in, ca
                               "--no-progress"])
     assert replay_command(args, command) == 0
     assert f"{path}: the first 2 requests, at their own arrival times" in capsys.readouterr().out
-    assert sorted(len(body["prompt"]) for _, body in stand_in.behaviour.received) == [2, 4]
+    assert sorted(len(body["prompt"]) for _, body in stand_in.behaviour.received) == [3, 5]  # BOS first
 
 
 def test_the_command_takes_a_tokenizer_directory_for_text_prompts(stand_in, capsys, tmp_path):
@@ -794,16 +797,21 @@ def test_the_command_sends_only_what_the_server_s_context_holds_and_says_what_it
     parser, command = replay_parser()
     argv = ["replay", path, "--url", stand_in.url, "--model", MODEL, "--requests", "3", "--no-progress"]
     assert replay_command(parser.parse_args(argv), command) == 0
-    assert (f"{path}: the first 3 requests, with prompt + output <= 10 tokens (the server's max_model_len; 2 longer "
-            "ones left out), at their own arrival times") in capsys.readouterr().out
-    assert sorted(len(body["prompt"]) for _, body in stand_in.behaviour.received) == [1, 2, 4]
+    assert (f"{path}: the first 3 requests, with BOS + prompt + output <= 10 tokens (the server's max_model_len; 2 "
+            "longer ones left out), at their own arrival times") in capsys.readouterr().out
+    assert sorted(len(body["prompt"]) for _, body in stand_in.behaviour.received) == [2, 3, 5]
     # --max-tokens cuts the outputs first, and --max-model-len takes the place of the server's context
     stand_in.behaviour.received.clear()
     assert replay_command(parser.parse_args([*argv, "--max-tokens", "3", "--max-model-len", "12"]), command) == 0
-    assert (f"{path}: the first 3 requests, outputs cut to 3 tokens, with prompt + output <= 12 tokens "
-            "(--max-model-len; 0 longer ones left out)") in capsys.readouterr().out
+    assert (f"{path}: the first 3 requests, outputs cut to 3 tokens, with BOS + prompt + output <= 12 tokens "
+            "(--max-model-len; 1 longer one left out)") in capsys.readouterr().out
     assert sorted((len(body["prompt"]), body["max_tokens"]) for _, body in stand_in.behaviour.received) == [
-        (2, 2), (4, 3), (9, 3)]
+        (3, 2), (5, 3), (9, 3)]
+    # without a begin-of-sequence token, the prompt alone fits
+    stand_in.behaviour.received.clear()
+    assert replay_command(parser.parse_args([*argv, "--max-tokens", "3", "--max-model-len", "12",
+                                             "--bos-token-id", "none"]), command) == 0
+    assert "with prompt + output <= 12 tokens (--max-model-len; 0 longer ones left out)" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("argv, error", [
@@ -847,8 +855,12 @@ def test_the_command_exits_1_when_the_server_refuses_every_request(stand_in, cap
         (["toy", "--rate-scale", "0"], "labkit replay: error: argument --rate-scale: '0': must be a number > 0"),
         (["toy", "--max-concurrency", "0"], "argument --max-concurrency: '0': must be a whole number >= 1"),
         (["toy", "--tokenizer", "no-such-dir"], "labkit replay: error: tokenizer = 'no-such-dir': no such directory"),
-        (["toy", "--max-model-len", "1"], "labkit replay: error: argument --max-model-len: max_len = 1: no request has "
-                                          "prompt + output <= 1 tokens (the shortest has 2)"),
+        (["toy", "--max-model-len", "1"], "labkit replay: error: argument --max-model-len: 1: no request has "
+                                          "BOS + prompt + output <= 1 tokens (the shortest has 3)"),
+        (["toy", "--max-model-len", "1", "--bos-token-id", "none"],
+         "labkit replay: error: argument --max-model-len: 1: no request has prompt + output <= 1 tokens (the shortest "
+         "has 2)"),
+        (["toy", "--bos-token-id", "x"], "argument --bos-token-id: 'x': must be a whole number >= 0, or none"),
         (["toy", "--max-tokens", "0"], "argument --max-tokens: '0': must be a whole number >= 1"),
     ],
 )

@@ -122,3 +122,41 @@ def test_a_server_that_does_not_come_up_fails_with_its_stderr(code, timeout, why
             process.wait_until_healthy(timeout)
     assert str(failure.value) == (f"a stand-in at http://127.0.0.1:{port}: {why} from /health; its stderr ends:\n"
                                   "no model here")
+
+
+# Text prompts are tokenized as the model's tokenizer does
+
+
+TEXTS = ["hello there", "continuous batching", "a", "slots and blocks"]
+
+
+@pytest.fixture(scope="module")
+def no_bos_servers(tmp_path_factory):
+    """labkit serve and transformers serve on one Llama directory whose tokenizer adds no
+    begin-of-sequence token."""
+    from labkit.engine.peers import save_llama_dir
+    from labkit.serve.processes import start_labkit_serve
+    from tests.hf_servers import TINY_LLAMA
+
+    directory = tmp_path_factory.mktemp("no-bos-llama")
+    save_llama_dir(directory, TINY_LLAMA, seed=0, add_bos=False)
+    with start_labkit_serve(str(directory), "--threads", "1", model=str(directory)) as labkit, \
+            transformers_serve(directory) as hf:
+        labkit.wait_until_healthy()
+        yield labkit, hf
+
+
+def greedy_text(url: str, model: str, prompt, max_tokens: int = 8) -> str:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    answer = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    assert answer.status_code == 200, answer.text
+    return answer.json()["choices"][0]["text"]
+
+
+def test_a_text_prompt_is_tokenized_as_the_model_s_tokenizer_does(no_bos_servers):
+    labkit, hf = no_bos_servers
+    for text in TEXTS:
+        assert greedy_text(labkit.url, labkit.model, text) == greedy_text(hf.url, hf.model, text)
+    # negative control: with a begin-of-sequence token put first by hand, labkit's text differs
+    ids = [0, *[byte + 1 for byte in TEXTS[0].encode()]]
+    assert greedy_text(labkit.url, labkit.model, ids) != greedy_text(hf.url, hf.model, TEXTS[0])

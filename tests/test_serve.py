@@ -82,8 +82,14 @@ def stream_tokens(url: str, **body) -> tuple[list[int], dict]:
     return tokens, usage
 
 
+def with_bos(prompt: list[int]) -> list[int]:
+    """A token-id prompt as a server takes it, used as given: the model's begin-of-sequence id first,
+    as `Engine.run` feeds it."""
+    return [TINY.bos_token_id, *prompt]
+
+
 def reference_tokens(engine: Engine, prompts: list[list[int]], lengths: list[int]) -> list[list[int]]:
-    """Engine.run's greedy tokens for the same prompts."""
+    """Engine.run's greedy tokens for the same prompts (after its begin-of-sequence token)."""
     trace = lk.Trace.from_lengths(lengths, prompt_tokens=[np.array(p) for p in prompts])
     log = engine.run(trace, lk.Continuous(num_slots=4), progress=False)
     return [log.outputs[int(rid)] for rid in trace.ids]
@@ -95,7 +101,7 @@ LENGTHS = [6, 3, 9, 4]
 
 def test_streamed_and_whole_completions_give_engine_run_tokens(served):
     expected = reference_tokens(served.engine, PROMPTS, LENGTHS)
-    for prompt, length, tokens in zip(PROMPTS, LENGTHS, expected):
+    for prompt, length, tokens in zip(map(with_bos, PROMPTS), LENGTHS, expected):
         streamed, usage = stream_tokens(served.url, prompt=prompt, max_tokens=length)
         assert streamed == tokens
         assert usage == {"prompt_tokens": len(prompt), "completion_tokens": length, "total_tokens": len(prompt) + length}
@@ -105,8 +111,10 @@ def test_streamed_and_whole_completions_give_engine_run_tokens(served):
 
 def test_a_string_prompt_goes_through_the_byte_tokenizer(served):
     as_text = complete(served.url, prompt="hi", max_tokens=3).json()["choices"][0]
-    as_ids = complete(served.url, prompt=tokenizer.encode("hi"), max_tokens=3).json()["choices"][0]
-    assert as_text["token_ids"] == as_ids["token_ids"] and tokenizer.encode("hi") == [105, 106]
+    as_ids = complete(served.url, prompt=[0, *tokenizer.encode("hi")], max_tokens=3).json()["choices"][0]
+    assert as_text["token_ids"] == as_ids["token_ids"] and tokenizer.prompt_ids("hi") == [0, 105, 106]
+    # negative control: without the begin-of-sequence token the byte tokenizer adds, the tokens differ
+    assert complete(served.url, prompt=[105, 106], max_tokens=3).json()["choices"][0]["token_ids"] != as_ids["token_ids"]
     assert as_text["text"] == tokenizer.decode(as_text["token_ids"])
 
 
@@ -117,7 +125,7 @@ def test_concurrent_requests_share_steps_and_keep_their_tokens(served):
     async def all_at_once():
         async with httpx.AsyncClient(timeout=30) as client:
             answers = await asyncio.gather(*(client.post(f"{served.url}/v1/completions", json={
-                "model": MODEL, "prompt": p, "max_tokens": n}) for p, n in zip(PROMPTS, LENGTHS)))
+                "model": MODEL, "prompt": with_bos(p), "max_tokens": n}) for p, n in zip(PROMPTS, LENGTHS)))
         return [answer.json()["choices"][0]["token_ids"] for answer in answers]
 
     assert asyncio.run(all_at_once()) == expected
@@ -193,7 +201,7 @@ def test_two_hundred_concurrent_streams_all_finish_and_every_block_returns():
     server = Served(lk.Continuous(num_slots=16, num_blocks=48, block_size=4))  # small pool: preemption under load
     rng = np.random.default_rng(0)
     lengths = rng.integers(1, 9, 200).tolist()
-    prompts = [rng.integers(1, 300, rng.integers(0, 9)).tolist() for _ in lengths]
+    prompts = [rng.integers(1, 300, rng.integers(1, 9)).tolist() for _ in lengths]
 
     async def one(client, prompt, length):
         tokens = []
@@ -329,7 +337,7 @@ def test_the_lesson_s_azure_command_runs_as_written(capsys):
             main([*command, "--max-model-len", "8192"])
     finally:
         server.stop()
-    assert ("azure-conv: the first 24 requests, outputs cut to 32 tokens, with prompt + output <= 2048 tokens (the "
+    assert ("azure-conv: the first 24 requests, outputs cut to 32 tokens, with BOS + prompt + output <= 2048 tokens (the "
             "server's max_model_len; 3 longer ones left out), at their own arrival times") in out
     assert "failed: 0 of 24 requests" in out and "2 × the server's capacity" in out
     assert "argument --load: the capacity probe failed 2 of 24 requests" in capsys.readouterr().err  # 13 and 23
@@ -391,7 +399,7 @@ def test_every_policy_serves_online_with_engine_run_tokens(policy):
     try:
         for rid, prompt_len, length in zip(trace.ids, trace.prompt_lengths, trace.output_lengths):
             received[int(rid)] = []
-            prompt = engine.prompt_ids(int(rid), int(prompt_len))[1:]
+            prompt = engine.prompt_ids(int(rid), int(prompt_len))  # its begin-of-sequence token first, as given
             online.submit(prompt, int(length), Client(received[int(rid)].append, lambda reason: finished.release()))
         assert all(finished.acquire(timeout=20) for _ in trace.ids)
         assert received == reference.outputs
@@ -494,7 +502,8 @@ def serve_in_one_slot(policy: str) -> tuple[list[int], list[list[int]], list[lis
         with httpx.Client(timeout=30) as client, contextlib.ExitStack() as streams:
             answers = []
             for prompt, length, priority in zip(ONE_SLOT_PROMPTS, ONE_SLOT_LENGTHS, ONE_SLOT_PRIORITIES):
-                payload = {"model": MODEL, "prompt": prompt, "max_tokens": length, "priority": priority, "stream": True}
+                payload = {"model": MODEL, "prompt": with_bos(prompt), "max_tokens": length, "priority": priority,
+                           "stream": True}
                 # entered once the server has queued the request: they are sent one after the other
                 answers.append(streams.enter_context(client.stream("POST", f"{server.url}/v1/completions", json=payload)))
                 assert gate.held.wait(timeout=20)  # request 0 is in the slot, its first step held

@@ -129,20 +129,25 @@ def test_what_the_greedy_engine_cannot_honour_is_a_400_naming_the_field(guarded,
 
 
 def test_the_values_that_mean_greedy_are_accepted_and_change_nothing(guarded):
-    plain = post(guarded.url, prompt=[5, 6], max_tokens=4).json()["choices"][0]["token_ids"]
+    plain = post(guarded.url, prompt=[0, 5, 6], max_tokens=4).json()["choices"][0]["token_ids"]
     greedy = dict(temperature=0, top_p=1.0, top_k=-1, min_p=0, n=1, best_of=1, logprobs=None, echo=False, stop=[],
                   stop_token_ids=None, suffix=None, logit_bias={}, presence_penalty=0, frequency_penalty=0.0,
                   repetition_penalty=1, seed=7, user="student-3", stream_options=None)
-    answer = post(guarded.url, prompt=[5, 6], max_tokens=4, **greedy)
+    answer = post(guarded.url, prompt=[0, 5, 6], max_tokens=4, **greedy)
     assert answer.status_code == 200 and answer.json()["choices"][0]["token_ids"] == plain
     assert plain == reference_tokens(guarded.engine, [[5, 6]], [4])[0]
 
 
-def test_an_empty_prompt_starts_from_the_begin_of_sequence_token(guarded):
-    """Accepted on purpose: the lab's traces have zero-length prompts, and the engine puts BOS first."""
+def test_token_ids_are_used_as_given_and_an_empty_list_is_refused(guarded):
+    """As vLLM: token ids are the sequence as given (no begin-of-sequence token added), so a
+    zero-length prompt of the lab's traces is sent as the BOS alone; an empty list is refused,
+    and an empty text still starts from the BOS the byte-level tokenizer adds."""
     expected = reference_tokens(guarded.engine, [[]], [3])[0]
-    for empty in ([], ""):
-        assert post(guarded.url, prompt=empty, max_tokens=3).json()["choices"][0]["token_ids"] == expected
+    for bos_alone in ([0], ""):
+        assert post(guarded.url, prompt=bos_alone, max_tokens=3).json()["choices"][0]["token_ids"] == expected
+    assert_error(post(guarded.url, prompt=[], max_tokens=3), 400, "BadRequestError",
+                 "prompt = []: give at least one token id; token ids are used as given, so start with the "
+                 "model's begin-of-sequence id (0) if it has one")
 
 
 @pytest.mark.parametrize("content, param, message", [
@@ -346,7 +351,7 @@ def test_a_chunked_body_is_refused_as_soon_as_it_passes_the_limit(guarded):
 def test_a_body_within_the_limit_is_read(guarded):
     answer = post(guarded.url, prompt="a" * 60_000, max_tokens=2)  # 60 kB: parsed, then refused by the model
     assert_error(answer, 400, "BadRequestError",
-                 "prompt of 60000 tokens + max_tokens 2 exceed the model's max_seq_len 128")
+                 "prompt of 60001 tokens + max_tokens 2 exceed the model's max_seq_len 128")  # BOS + 60,000 bytes
 
 
 # 5. Shutdown, and an engine that dies
@@ -427,14 +432,14 @@ def test_three_hundred_streams_with_thirty_leaving_end_with_empty_gauges_and_eve
     slow_steps(server, monkeypatch, 0.004)  # a leaver's 100 tokens take at least 0.4 s: it leaves before the end
     rng = np.random.default_rng(7)
     lengths = rng.integers(1, 9, 300).tolist()
-    prompts = [rng.integers(1, 300, rng.integers(0, 9)).tolist() for _ in lengths]
+    prompts = [rng.integers(1, 300, rng.integers(0, 9)).tolist() for _ in lengths]  # sent after the BOS
     leave_after = {int(i): int(rng.integers(1, 6)) for i in rng.choice(300, 30, replace=False)}  # tokens read
     for i in leave_after:
         lengths[i] = 100
 
     async def one(client: httpx.AsyncClient, i: int) -> list[int]:
         tokens = []
-        payload = {"model": MODEL, "prompt": prompts[i], "max_tokens": lengths[i], "stream": True}
+        payload = {"model": MODEL, "prompt": [0, *prompts[i]], "max_tokens": lengths[i], "stream": True}
         async with client.stream("POST", f"{server.url}/v1/completions", json=payload) as answer:
             async for line in answer.aiter_lines():
                 if line.startswith("data: {"):

@@ -110,10 +110,10 @@ def generate_batch(model, prompts: list[list[int]], num_steps: int) -> tuple[np.
     return np.array(clock.times[1:]), tokens[:, width:]  # the first put is the prompt
 
 
-def byte_level_tokenizer():
+def byte_level_tokenizer(add_bos: bool = True):
     """A Hugging Face fast tokenizer with `labkit.serve.tokenizer`'s ids: UTF-8 byte b is id
     b + 1, id 0 is the begin-of-sequence token "<s>", which encoding puts first as labkit's
-    engine does, and no merges."""
+    engine does (unless `add_bos` is False, as some saved Llamas' tokenizers add none), and no merges."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import bytes_to_unicode
@@ -122,13 +122,15 @@ def byte_level_tokenizer():
     core = Tokenizer(models.BPE(vocab, merges=[]))
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     core.decoder = decoders.ByteLevel()
-    core.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    if add_bos:
+        core.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
     return PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>")
 
 
-def save_llama_dir(directory, config, seed: int = 0, initializer_range: float = 0.02) -> None:
+def save_llama_dir(directory, config, seed: int = 0, initializer_range: float = 0.02, add_bos: bool = True) -> None:
     """Write a local Hugging Face model directory: `transformers_llama(config, seed, initializer_range)`'s
-    weights (safetensors), its config.json and the byte-level tokenizer. Any server that loads a
+    weights (safetensors), its config.json and the byte-level tokenizer (`add_bos`: whether it
+    puts the begin-of-sequence token first). Any server that loads a
     Llama directory (`labkit serve DIR`, `transformers serve DIR`) then serves the same weights.
     transformers' progress bar for writing the weights stays off."""
     from transformers.utils import logging as hf_logging
@@ -140,4 +142,4 @@ def save_llama_dir(directory, config, seed: int = 0, initializer_range: float = 
     finally:
         if bar_was_on:
             hf_logging.enable_progress_bar()
-    byte_level_tokenizer().save_pretrained(directory)
+    byte_level_tokenizer(add_bos).save_pretrained(directory)

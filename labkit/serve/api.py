@@ -1,7 +1,10 @@
 """The OpenAI-compatible HTTP API in front of an `OnlineEngine`, following vLLM's conventions.
 
-- `POST /v1/completions`: `prompt` as token ids or a string (encoded by the served model's
-  tokenizer: a checkpoint's own, or TinyGPT's byte-level one, `labkit.serve.tokenizer`),
+- `POST /v1/completions`: `prompt` as token ids, used as given (the model's sequence starts
+  with them; no begin-of-sequence token is added, as in vLLM), or a string, tokenized as the
+  served model's tokenizer does with its special tokens (a checkpoint's own, which adds a
+  begin-of-sequence token only if configured to, or TinyGPT's byte-level one, which does;
+  `labkit.serve.tokenizer`),
   `max_tokens`, `stream` (server-sent events, one token per chunk, each chunk's choice with
   its `token_ids` and the text it adds), `stream_options.include_usage`, and vLLM's
   `ignore_eos` and `min_tokens`. A request ends at the model's EOS (`finish_reason`
@@ -16,8 +19,8 @@
 
 Requests are read strictly: each field has its JSON type (no "4" for 4, no true for 1),
 `max_tokens` >= 1, 0 <= `min_tokens` <= `max_tokens`, `prompt` a string that UTF-8 can
-encode or a list of whole numbers (an empty one too: every sequence starts with the
-begin-of-sequence token, and the lab's traces have zero-length prompts), `seed` a whole
+encode or a non-empty list of whole numbers (an empty one is refused, as vLLM refuses it),
+`seed` a whole
 number, ignored (greedy decoding is deterministic). The engine decodes greedily, so each
 sampling field in `GREEDY_ONLY` is refused unless absent, null, or at the value that means
 greedy: temperature 0, top_p 1, top_k -1 or 0, min_p 0, n 1, best_of 1, logprobs and
@@ -220,7 +223,7 @@ def make_app(online: OnlineEngine, model_name: str, tokenizer=byte_tokenizer, li
         if unsupported := unsupported_sampling(body):
             field, message = unsupported
             return error(message, param=field)
-        prompt = tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else body.prompt
+        prompt = tokenizer.prompt_ids(body.prompt) if isinstance(body.prompt, str) else body.prompt
         if body.min_tokens > body.max_tokens:
             return error(f"min_tokens = {body.min_tokens} exceeds max_tokens = {body.max_tokens}", param="min_tokens")
         completion = Completion(model_name, len(prompt), tokenizer)

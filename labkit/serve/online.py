@@ -142,8 +142,10 @@ class OnlineEngine:
 
     def submit(self, prompt_ids: list[int], max_tokens: int, client: Client, priority: int = 0,
                ignore_eos: bool = False, min_tokens: int = 0) -> int:
-        """Queue a request with this priority (lower is served first by a policy that reads it);
-        it may stop at an EOS after `min_tokens` outputs unless `ignore_eos`. Returns its id.
+        """Queue a request whose sequence starts as `prompt_ids`, used as given (no
+        begin-of-sequence token is added, as in vLLM), with this priority (lower is served first
+        by a policy that reads it); it may stop at an EOS after `min_tokens` outputs unless
+        `ignore_eos`. Returns its id.
         A ValueError names what is wrong with it; `Unavailable` says why none can be taken now."""
         self._check(prompt_ids, max_tokens, priority)
         self._check_eos_rule(ignore_eos, min_tokens, max_tokens)
@@ -151,9 +153,11 @@ class OnlineEngine:
             self._check_available()
             index = self._next_index
             self._next_index += 1
-            request = Request(index, index, self.now(), len(prompt_ids), max_tokens, priority=priority)
+            # the ids are the whole sequence so far, used as given (as vLLM does): the first plays
+            # the part a request's begin-of-sequence token plays in the scheduler's counts
+            request = Request(index, index, self.now(), len(prompt_ids) - 1, max_tokens, priority=priority)
             self.policy.check_fits(request)
-            self.steps.prompts[index] = [self.engine.config.bos_token_id, *prompt_ids]
+            self.steps.prompts[index] = list(prompt_ids)
             self.steps.eos_rules[index] = EosRule(() if ignore_eos else self.eos_token_ids, min_tokens)
             self._clients[index] = client
             self._inbox.append(request)
@@ -208,6 +212,9 @@ class OnlineEngine:
         whole_number("max_tokens", max_tokens)
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority = {priority!r}: must be a whole number (lower is served first)")
+        if not prompt_ids:
+            raise ValueError("prompt = []: give at least one token id; token ids are used as given, so start with "
+                             f"the model's begin-of-sequence id ({self.engine.config.bos_token_id}) if it has one")
         if len(prompt_ids) + max_tokens > max_seq_len:  # first: a huge prompt is refused before its ids are read
             raise ValueError(f"prompt of {len(prompt_ids)} tokens + max_tokens {max_tokens} exceed the model's "
                              f"max_seq_len {max_seq_len}")
@@ -256,7 +263,7 @@ class OnlineEngine:
         for request in arrived:
             self.state.add(request)
             if self.metrics:
-                self.metrics.prompt_tokens.inc(request.prompt_len)
+                self.metrics.prompt_tokens.inc(request.num_prompt_tokens)  # the ids as given
         for request_id in aborted:
             self._abort(request_id)
         return not stopping

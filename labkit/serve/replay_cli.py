@@ -4,8 +4,9 @@ its arrival times and print what was measured, as `lk.metrics.table` does, and w
 Invariants:
 
 - TRACE and its options (`--requests`, `--rate`, `--seed`) mean what they mean for `labkit demo`,
-  through the same `labkit.args`. It sends the first REQUESTS requests whose prompt + output
-  (outputs cut to `--max-tokens` first, when given) fit the served model's context: `--max-model-len`,
+  through the same `labkit.args`. It sends the first REQUESTS requests whose sequence, a
+  begin-of-sequence token (`--bos-token-id`, unless none), prompt and output (outputs cut to
+  `--max-tokens` first, when given), fits the served model's context: `--max-model-len`,
   else the `max_model_len` the server reports for the model in GET /v1/models (vLLM and labkit
   serve report one), else no limit; it says how many longer ones it left out, since a server
   refuses a request longer than its context and the replay would fail it;
@@ -88,6 +89,12 @@ def add_replay_parser(commands) -> argparse.ArgumentParser:
         help="seed for the sampled trace and for prompt ids, as the engine draws them (default 0)",
     )
     parser.add_argument(
+        "--bos-token-id", metavar="ID", type=bos_token_id, default=0,
+        help="the served model's begin-of-sequence id, sent before every token-id prompt so every server "
+        "gets the ids labkit's engine feeds its model (default 0, TinyGPT's; a --tokenizer brings its own; "
+        "none: send the prompt alone)",
+    )
+    parser.add_argument(
         "--tokenizer", metavar="DIR", default=None,
         help="a local Hugging Face tokenizer directory, the server's: for a server that takes only text prompts "
         "(transformers serve), each prompt is sent as text of exactly its length in these tokens (default: "
@@ -113,7 +120,7 @@ def replay_command(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     max_model_len = args.max_model_len or served_max_model_len(args.url, args.model, args.api_key)
     trace, description = load_replay_trace(args, parser, max_model_len)
     options = dict(url=args.url, model=args.model, max_concurrency=args.max_concurrency, seed=args.seed,
-                   tokenizer=args.tokenizer, api_key=args.api_key)
+                   tokenizer=args.tokenizer, bos_token_id=args.bos_token_id, api_key=args.api_key)
     try:
         trace, pace = at_load(trace, args, parser, options)
         log = replay(trace, rate_scale=args.rate_scale, progress=not args.no_progress, **options)
@@ -168,10 +175,20 @@ def predicted_beside(trace: lk.Trace, args: argparse.Namespace, parser: argparse
     return {"predicted": lk.simulate(trace, policy, cost=fit.model)}
 
 
+def bos_token_id(text: str) -> int | None:
+    """--bos-token-id: a whole number >= 0, or "none"."""
+    if text.lower() == "none":
+        return None
+    try:
+        return whole_number(0)(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a whole number >= 0, or none") from None
+
+
 def load_replay_trace(args: argparse.Namespace, parser: argparse.ArgumentParser,
                       max_model_len: int | None) -> tuple[lk.Trace, str]:
-    """The requests the replay sends: the first REQUESTS of the trace TRACE names whose prompt +
-    output fit in `max_model_len` tokens (None: all), outputs cut to --max-tokens first; and one
+    """The requests the replay sends: the first REQUESTS of the trace TRACE names whose sequence
+    (BOS, unless --bos-token-id none, prompt and output) fits in `max_model_len` tokens (None: all), outputs cut to --max-tokens first; and one
     line saying where they came from. A bad trace, or one of which nothing fits, ends in `parser.error`."""
     if args.rate is not None and args.trace != "exponential":
         parser.error("argument --rate: only TRACE exponential samples arrivals; "
@@ -184,10 +201,14 @@ def load_replay_trace(args: argparse.Namespace, parser: argparse.ArgumentParser,
         parser.error(f"argument TRACE: {trace_error(args.trace, error)}")
     if args.max_tokens is not None:
         source = source.capped(args.max_tokens)
-    try:
-        trace, num_left_out = source.first_that_fit(min(args.requests, len(source)), max_model_len)
-    except ValueError as error:
-        parser.error(f"argument --max-model-len: {error}")
+    with_bos = args.bos_token_id is not None
+    sequence = f"{'BOS + ' if with_bos else ''}prompt + output"
+    room = None if max_model_len is None else max_model_len - with_bos  # for prompt + output
+    lengths = source.prompt_lengths + source.output_lengths + with_bos
+    if room is not None and lengths.min() > max_model_len:
+        parser.error(f"argument --max-model-len: {max_model_len}: no request has {sequence} <= {max_model_len} "
+                     f"tokens (the shortest has {int(lengths.min())})")
+    trace, num_left_out = source.first_that_fit(min(args.requests, len(source)), room)
     if sampled:
         num_left_out = len(source) - len(trace)  # the sample is all there is: every one that does not fit
     else:
@@ -196,7 +217,7 @@ def load_replay_trace(args: argparse.Namespace, parser: argparse.ArgumentParser,
         description += f", outputs cut to {args.max_tokens} tokens"
     if max_model_len is not None:
         whose = "the server's max_model_len" if args.max_model_len is None else "--max-model-len"
-        description += (f", with prompt + output <= {max_model_len} tokens ({whose}; {num_left_out} longer "
+        description += (f", with {sequence} <= {max_model_len} tokens ({whose}; {num_left_out} longer "
                         f"{'one' if num_left_out == 1 else 'ones'} left out)")
     return trace, description + ("" if sampled else ", at their own arrival times")
 

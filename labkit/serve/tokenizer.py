@@ -7,8 +7,13 @@ on its own: ids 1..256 as the Latin-1 character of byte id - 1, and ids past 256
 no byte, as U+FFFD. A checkpoint brings its own tokenizer (`ModelTokenizer`). The API takes
 either: anything with `encode(text)` and `decode(token_ids)`.
 
+A text prompt becomes `prompt_ids(text)`, the ids the model's sequence starts with, as the
+tokenizer makes them with its special tokens, as vLLM and `transformers serve` tokenize: a
+checkpoint's tokenizer adds a begin-of-sequence token only if it is configured to; this
+module's always puts id 0 first. Token-id prompts are used as given.
+
 Invariants: decode(encode(text)) == text for ASCII text, and encode never yields 0; neither
-tokenizer's `encode` adds a begin-of-sequence token (the engine puts the model's first); for
+tokenizer's `encode` adds a begin-of-sequence token (`prompt_ids` does what the tokenizer says); for
 a byte-level tokenizer (this module's, Llama 3's) the pieces a `TextStream` gives add up to
 the decoded text of all its tokens.
 """
@@ -16,11 +21,17 @@ the decoded text of all its tokens.
 from __future__ import annotations
 
 BYTE_OFFSET = 1  # id 0 is the begin-of-sequence token
+BOS_ID = 0
 NO_BYTE = "\ufffd"
 
 
 def encode(text: str) -> list[int]:
     return [byte + BYTE_OFFSET for byte in text.encode("utf-8")]
+
+
+def prompt_ids(text: str) -> list[int]:
+    """The sequence a text prompt starts: the begin-of-sequence token 0, then its bytes."""
+    return [BOS_ID, *encode(text)]
 
 
 def decode_token(token_id: int) -> str:
@@ -41,6 +52,11 @@ class ModelTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self.hf_tokenizer.encode(text, add_special_tokens=False)
+
+    def prompt_ids(self, text: str) -> list[int]:
+        """The ids the tokenizer makes of a prompt, its special tokens included: a
+        begin-of-sequence token only if it is configured to add one."""
+        return self.hf_tokenizer.encode(text)
 
     def decode(self, token_ids: list[int]) -> str:
         return self.hf_tokenizer.decode(token_ids, skip_special_tokens=True)
