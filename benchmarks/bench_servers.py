@@ -1,5 +1,6 @@
-"""Two real servers on the same weights: `labkit serve DIR` against `transformers serve DIR
---continuous-batching`, measured by the same replay client on the same traffic.
+"""Real servers on the same weights: `labkit serve DIR` against `transformers serve DIR
+--continuous-batching` and, where it is installed (`make vllm`), `vllm serve DIR`, measured by
+the same replay client on the same traffic.
 
 Both load one Hugging Face directory: TinyGPT's default shape saved as a Llama
 (`labkit.engine.peers.save_llama_dir`) with a 128-token vocabulary of ASCII bytes, so that
@@ -7,7 +8,10 @@ every token is one character and a text stream's chunks are tokens. Both get the
 where they have one (16-token KV blocks, 512 of them, 256 tokens a step; labkit's 8 slots
 have no transformers flag: it caps a batch at 1,024 requests by default) and one torch thread.
 A third server, labkit's with 24 slots (as many as the traffic has requests), takes the slot
-cap away. After a warm-up replay on each, it measures each, taking turns, `--repeats` times
+cap away. vLLM gets labkit's limits under its own flags (`--max-num-seqs 8`,
+`--max-num-batched-tokens 256`, `--max-model-len 2048`, 16-token blocks), a 1 GiB KV cache,
+float32 and eager mode (no CUDA graphs or torch.compile on a CPU); its CPU build pins its
+threads to one core by itself. After a warm-up replay on each, it measures each, taking turns, `--repeats` times
 (default 5):
 
 - lesson 09's traffic: the first 24 Azure conversation requests that fit, outputs capped at
@@ -23,10 +27,12 @@ Run: `python benchmarks/bench_servers.py` (about three minutes on a 2-core CPU).
 """
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
 import platform
+import subprocess
 import tempfile
 from pathlib import Path
 
@@ -36,7 +42,8 @@ import transformers
 import labkit as lk
 from labkit.engine import ModelConfig
 from labkit.engine.peers import save_llama_dir
-from labkit.serve.processes import start_labkit_serve, start_transformers_serve
+from labkit.serve.processes import (VLLM_START_TIMEOUT_S, start_labkit_serve, start_transformers_serve,
+                                    start_vllm_serve, vllm_command)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CONFIG = ModelConfig(vocab_size=128)  # TinyGPT's shape, ASCII bytes only
@@ -77,20 +84,36 @@ def measure(server, directory: str, traffic: lk.Trace) -> dict:
             "eight_itl_p50_ms": lk.metrics.summary(eight)["ITL p50 (ms)"]}
 
 
+def vllm_version() -> str:
+    """The version of the vLLM that `vllm_command` runs, as its own interpreter reports it."""
+    python = vllm_command().parent / "python"
+    return subprocess.run([str(python), "-c", "import importlib.metadata as m; print(m.version('vllm'))"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--no-vllm", action="store_true", help="leave vLLM out even where it is installed")
     args = parser.parse_args()
+    with_vllm = vllm_command() is not None and not args.no_vllm
     with tempfile.TemporaryDirectory(prefix="tinygpt-llama-") as directory:
         save_llama_dir(directory, CONFIG, seed=0)
         labkit = ("--device", "cpu", "--threads", "1", *KNOBS)
-        with (start_labkit_serve(directory, "--slots", str(SLOTS), *labkit, model=directory) as ours,
-              start_labkit_serve(directory, "--slots", str(NO_CAP), *labkit, model=directory) as uncapped,
-              start_transformers_serve(directory, num_blocks=512, max_batch_tokens=256, threads=1) as theirs):
+        with contextlib.ExitStack() as running:
+            ours = running.enter_context(start_labkit_serve(directory, "--slots", str(SLOTS), *labkit, model=directory))
+            uncapped = running.enter_context(start_labkit_serve(directory, "--slots", str(NO_CAP), *labkit,
+                                                                model=directory))
+            theirs = running.enter_context(start_transformers_serve(directory, num_blocks=512, max_batch_tokens=256,
+                                                                    threads=1))
             servers = {f"labkit serve --slots {SLOTS}": ours, f"labkit serve --slots {NO_CAP}": uncapped,
                        "transformers serve": theirs}
+            if with_vllm:
+                servers[f"vllm serve --max-num-seqs {SLOTS}"] = running.enter_context(start_vllm_serve(
+                    directory, max_num_seqs=SLOTS, max_model_len=CONFIG.max_seq_len, max_num_batched_tokens=256,
+                    block_size=16))
             for server in servers.values():
-                server.wait_until_healthy()
+                server.wait_until_healthy(timeout=VLLM_START_TIMEOUT_S)
                 lk.replay(lesson_trace().backlogged(), **replay_options(server, directory))  # warm-up, not kept
             runs, loads = {name: [] for name in servers}, []
             for _ in range(args.repeats):
@@ -102,6 +125,7 @@ def main() -> None:
                     print(name, runs[name][-1], flush=True)
     result = {"date": datetime.date.today().isoformat(), "processor": platform.machine(),
               "cpus": os.cpu_count(), "torch": torch.__version__, "transformers": transformers.__version__,
+              "vllm": vllm_version() if with_vllm else None,
               "knobs": " ".join(KNOBS), "load": f"{LOAD} x the capacity of labkit serve --slots {SLOTS}",
               "loads": loads, "runs": runs,
               "range": {name: {key: [min(r[key] for r in rows), max(r[key] for r in rows)] for key in rows[0]}

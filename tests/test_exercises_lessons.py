@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 
 import labkit as lk
-from labkit.analysis.hardware import weight_bound_price
 from labkit.exercises import lesson01, lesson02, lesson03, lesson04, lesson05, lesson06
 from labkit.exercises.feedback import CORRECT, INCORRECT, NOT_ATTEMPTED
 

@@ -11,8 +11,6 @@ and CI do not need vLLM. vLLM takes a few minutes to start, once for the module.
 
 from __future__ import annotations
 
-import asyncio
-import json
 
 import httpx
 import numpy as np

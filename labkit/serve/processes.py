@@ -161,11 +161,12 @@ def vllm_command() -> Path | None:
 
 
 def start_vllm_serve(directory: str | os.PathLike, *, max_num_seqs: int = 16, max_model_len: int = 1024,
-                     max_num_batched_tokens: int | None = None, kv_cache_gib: int = 1,
+                     max_num_batched_tokens: int | None = None, block_size: int | None = None, kv_cache_gib: int = 1,
                      threads: int | None = None) -> ServerProcess:
     """`vllm serve DIRECTORY` on the CPU on a free port, offline, in float32 and eager mode; its model
     name is the directory as given. max_num_seqs, max_model_len, max_num_batched_tokens: its
-    scheduler's limits (labkit serve's --slots, --max-model-len, --budget); kv_cache_gib: its KV
+    scheduler's limits (labkit serve's --slots, --max-model-len, --budget); block_size: tokens per
+    KV block (None: its own default); kv_cache_gib: its KV
     cache; threads: its CPU threads (OMP_NUM_THREADS; None: its default)."""
     executable = vllm_command()
     if executable is None:
@@ -175,6 +176,8 @@ def start_vllm_serve(directory: str | os.PathLike, *, max_num_seqs: int = 16, ma
                "float32", "--enforce-eager", "--max-num-seqs", str(max_num_seqs), "--max-model-len", str(max_model_len)]
     if max_num_batched_tokens is not None:
         command += ["--max-num-batched-tokens", str(max_num_batched_tokens)]
+    if block_size is not None:
+        command += ["--block-size", str(block_size)]
     env = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
            **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
     return ServerProcess("vllm serve", command, port, str(directory), env)
