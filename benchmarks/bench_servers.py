@@ -9,9 +9,9 @@ where they have one (16-token KV blocks, 512 of them, 256 tokens a step; labkit'
 have no transformers flag: it caps a batch at 1,024 requests by default) and one torch thread.
 A third server, labkit's with 24 slots (as many as the traffic has requests), takes the slot
 cap away. vLLM gets labkit's limits under its own flags (`--max-num-seqs 8`,
-`--max-num-batched-tokens 256`, `--max-model-len 2048`, 16-token blocks), a 1 GiB KV cache,
-float32 and eager mode (no CUDA graphs or torch.compile on a CPU); its CPU build pins its
-threads to one core by itself. After a warm-up replay on each, it measures each, taking turns, `--repeats` times
+`--max-num-batched-tokens 256`, `--max-model-len 2048`), a 1 GiB KV cache, float32 and eager
+mode (no CUDA graphs or torch.compile on a CPU), and its own block size (its CPU attention
+takes only multiples of 32 tokens); its CPU build pins its threads to one core by itself. After a warm-up replay on each, it measures each, taking turns, `--repeats` times
 (default 5):
 
 - lesson 09's traffic: the first 24 Azure conversation requests that fit, outputs capped at
@@ -21,6 +21,11 @@ threads to one core by itself. After a warm-up replay on each, it measures each,
 - a lone request (a 16-token prompt, 64 tokens out): its median ITL, over HTTP, with nothing
   else to schedule: one request's decode step plus each server's streaming path;
 - eight such requests sent at once: their median ITL, the same with eight in a step.
+
+Before the rounds, each server is asked for the greedy tokens of four prompts (ASCII ids, 16
+tokens out): labkit's and vLLM's as token ids, the model's begin-of-sequence id first;
+`transformers serve`, which takes only text, as the prompt's text (its tokenizer adds the
+begin-of-sequence token); the result records whether all agree.
 
 Results go to benchmarks/results/servers-<device>.json; lesson 09 quotes their range.
 Run: `python benchmarks/bench_servers.py` (about three minutes on a 2-core CPU).
@@ -36,6 +41,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import httpx
 import torch
 import transformers
 
@@ -69,6 +75,21 @@ def lesson_traffic(server, directory: str) -> tuple[lk.Trace, float]:
     assert not probe.failures, probe.failures
     served = len(trace) / probe.duration
     return trace.at_rate(LOAD * served), served
+
+
+GREEDY_PROMPTS = [[73, 102, 33], [100, 101, 102, 103, 104], [66], [105, 106, 107, 108, 109, 110, 111, 112]]
+
+
+def greedy_tokens(server, prompt: list[int], max_tokens: int = 16) -> list[int]:
+    """`server`'s greedy tokens for `prompt` (ASCII ids): as token ids after the BOS, or, for a
+    server that takes only text, as the prompt's text, its answer read back as ids."""
+    body = {"model": server.model, "max_tokens": max_tokens, "temperature": 0}
+    if server.name == "transformers serve":
+        text = bytes(i - 1 for i in prompt).decode()
+        answer = httpx.post(f"{server.url}/v1/completions", json={**body, "prompt": text}, timeout=120).json()
+        return [byte + 1 for byte in answer["choices"][0]["text"].encode()]
+    body.update(prompt=[CONFIG.bos_token_id, *prompt], ignore_eos=True, min_tokens=max_tokens, return_token_ids=True)
+    return httpx.post(f"{server.url}/v1/completions", json=body, timeout=120).json()["choices"][0]["token_ids"]
 
 
 def measure(server, directory: str, traffic: lk.Trace) -> dict:
@@ -110,11 +131,14 @@ def main() -> None:
                        "transformers serve": theirs}
             if with_vllm:
                 servers[f"vllm serve --max-num-seqs {SLOTS}"] = running.enter_context(start_vllm_serve(
-                    directory, max_num_seqs=SLOTS, max_model_len=CONFIG.max_seq_len, max_num_batched_tokens=256,
-                    block_size=16))
+                    directory, max_num_seqs=SLOTS, max_model_len=CONFIG.max_seq_len, max_num_batched_tokens=256))
             for server in servers.values():
                 server.wait_until_healthy(timeout=VLLM_START_TIMEOUT_S)
                 lk.replay(lesson_trace().backlogged(), **replay_options(server, directory))  # warm-up, not kept
+            tokens = {name: [greedy_tokens(server, prompt) for prompt in GREEDY_PROMPTS]
+                      for name, server in servers.items()}
+            tokens_equal = all(t == next(iter(tokens.values())) for t in tokens.values())
+            print("greedy tokens equal on every server:", tokens_equal, flush=True)
             runs, loads = {name: [] for name in servers}, []
             for _ in range(args.repeats):
                 traffic, served = lesson_traffic(ours, directory)
@@ -127,6 +151,8 @@ def main() -> None:
               "cpus": os.cpu_count(), "torch": torch.__version__, "transformers": transformers.__version__,
               "vllm": vllm_version() if with_vllm else None,
               "knobs": " ".join(KNOBS), "load": f"{LOAD} x the capacity of labkit serve --slots {SLOTS}",
+              "greedy_tokens": {"prompts": GREEDY_PROMPTS, "by_server": tokens,
+                                "equal": tokens_equal},
               "loads": loads, "runs": runs,
               "range": {name: {key: [min(r[key] for r in rows), max(r[key] for r in rows)] for key in rows[0]}
                         for name, rows in runs.items()}}

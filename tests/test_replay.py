@@ -33,8 +33,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 import labkit as lk
 from labkit.analysis import metrics
-from labkit.serve.replay import (NOTE_WIDTH, PromptTexts, ScrapedSeries, byte_text, parse_metrics, plain_pieces,
-                                 prompt_ids, refusals, replay, text_of_length)
+from labkit.serve.replay import (NOTE_WIDTH, PromptTexts, ReplayLog, ScrapedSeries, byte_text, parse_metrics,
+                                 per_token_times, plain_pieces, prompt_ids, refusals, replay, text_of_length)
 from labkit.serve.replay_cli import add_replay_parser, replay_command
 
 MODEL = "stand-in"
@@ -60,6 +60,8 @@ class Behaviour:
     refused_fields: set[str] = field(default_factory=set)  # answered with HTTP 422 when sent, as transformers serve
     text_prompts_only: bool = False  # token-id prompts answered with HTTP 400, as transformers serve
     refuse_always: str = ""  # when set, every request is answered with HTTP 422 and this detail
+    packed: int = 1  # tokens per chunk, as vLLM packs them under load
+    refuse_empty: bool = False  # an empty token-id prompt answered with HTTP 400, as vLLM
     received: list[tuple[float, dict]] = field(default_factory=list)  # (perf_counter, body) per completion
     streaming: int = 0
     max_streaming: int = 0
@@ -143,6 +145,8 @@ class StandIn:
             return 422, f"Unexpected fields in the request: {unexpected}"
         if self.behaviour.text_prompts_only and not isinstance(body["prompt"], str):
             return 400, "prompt must be a string."
+        if self.behaviour.refuse_empty and body["prompt"] == []:
+            return 400, "You must pass at least one prompt"
         return None
 
     async def stream(self, max_tokens: int, with_ids: bool):
@@ -150,6 +154,7 @@ class StandIn:
         num_sent = max_tokens - 1 if max_tokens in behaviour.short else max_tokens
         behaviour.streaming += 1
         behaviour.max_streaming = max(behaviour.max_streaming, behaviour.streaming)
+        pack = []
         try:
             for k in range(num_sent):
                 await asyncio.sleep(TOKEN_SECONDS)
@@ -166,6 +171,12 @@ class StandIn:
                           "finish_reason": "length" if k == num_sent - 1 else None}
                 if with_ids and not (behaviour.text_only or blank):  # vLLM streams ids only when asked
                     choice["token_ids"] = [k]
+                if behaviour.packed > 1:  # one chunk for every `packed` tokens, and one for the rest
+                    pack.append(k)
+                    if len(pack) < behaviour.packed and k < num_sent - 1:
+                        continue
+                    choice.update(text="".join(f" t{i}" for i in pack), token_ids=pack)
+                    pack = []
                 yield _event({"id": "cmpl-0", "object": "text_completion", "created": 0, "model": MODEL,
                               "choices": [choice]})
         finally:
@@ -882,3 +893,37 @@ def test_the_client_loads_neither_torch_nor_the_server_stack_and_the_command_not
 def test_scraped_series_from_no_samples_is_empty():
     series = ScrapedSeries.from_samples([])
     assert len(series) == 0 and series.kv_usage.shape == (0,)
+
+
+# Chunks that carry several tokens, and servers that refuse an empty prompt
+
+
+def test_per_token_times_share_each_chunk_s_gap():
+    times = per_token_times(np.array([1.0, 2.0, 2.5]), np.array([2, 4, 1]))
+    assert times.tolist() == [1.0, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5]  # the first chunk's extra token: no gap to share
+
+
+def test_itl_is_counted_per_token_when_a_chunk_carries_several(stand_in):
+    stand_in.behaviour.packed = 4
+    log = replay(lk.Trace.from_lengths([9, 8]), url=stand_in.url, model=MODEL, progress=False)
+    assert log.failures == [] and [s.tolist() for s in log.chunk_sizes] == [[4, 4, 1], [4, 4]]
+    ids, times = log.token_times()
+    assert np.bincount(ids).tolist() == [9, 8]  # one time per token
+    itl, tpot = np.median(metrics.itl(log)), np.median(metrics.tpot(log))
+    assert tpot / 2 <= itl <= 2 * tpot
+    # negative control: a time per chunk, as if each carried one token, puts ITL far from TPOT
+    per_chunk = ReplayLog(log.trace, log.url, log.sent_at, log.tokens_at, log.outputs, [], log.server)
+    assert not np.median(metrics.itl(per_chunk)) <= 2 * np.median(metrics.tpot(per_chunk))
+
+
+def test_an_empty_prompt_refused_goes_as_one_token_once_no_bos_is_known(stand_in):
+    stand_in.behaviour.refuse_empty = True
+    trace = lk.Trace.from_lengths([2, 3], prompt_lengths=[0, 2])
+    log = replay(trace, url=stand_in.url, model=MODEL, bos_token_id=None, seed=1, vocab_size=50, progress=False)
+    assert log.failures == [] and log.fallbacks == ("one-token prompts",)
+    last = {body["max_tokens"]: body["prompt"] for _, body in stand_in.behaviour.received}
+    assert last == {2: prompt_ids(0, 1, seed=1, vocab_size=50), 3: prompt_ids(1, 2, seed=1, vocab_size=50)}
+    assert "an empty prompt goes as one drawn token" in log.notes[0]
+    stand_in.behaviour.received.clear()
+    with_bos = replay(trace, url=stand_in.url, model=MODEL, progress=False)  # the BOS first: nothing is empty
+    assert with_bos.fallbacks == () and all(body["prompt"][0] == 0 for _, body in stand_in.behaviour.received)

@@ -46,9 +46,10 @@ def test_a_batch_runs_at_the_smallest_size_that_holds_it():
     assert [lk.ExecutionShape().decode_size(n) for n in (1, 9)] == [1, 9]
 
 
-def test_vllms_default_sizes_are_1_2_4_then_multiples_of_8():
+def test_vllms_default_sizes_are_1_2_4_then_multiples_of_8_then_of_16():
     assert lk.vllm_capture_sizes(40) == (1, 2, 4, 8, 16, 24, 32, 40)
     assert lk.vllm_capture_sizes(3) == (1, 2)
+    assert lk.vllm_capture_sizes(300)[-4:] == (248, 256, 272, 288)  # from 256, multiples of 16
 
 
 @pytest.mark.parametrize("running, wanted, fill, expected", [

@@ -76,7 +76,8 @@ def test_an_empty_token_id_prompt_is_refused_and_replay_sends_the_bos(vllm):
     assert answer.status_code == 400 and "at least one prompt" in answer.text
     log = lk.replay(lk.Trace.toy(), url=vllm.url, model=vllm.model, vocab_size=LLAMA.vocab_size, progress=False)
     assert log.failures == [] and log.fallbacks == ()
-    unknown = lk.replay(lk.Trace.toy(), url=vllm.url, model=vllm.model, bos_token_id=None, progress=False)
+    unknown = lk.replay(lk.Trace.toy(), url=vllm.url, model=vllm.model, bos_token_id=None,
+                        vocab_size=LLAMA.vocab_size, progress=False)
     assert unknown.failures == [] and unknown.fallbacks == ("one-token prompts",)  # said once, then sent so
 
 
@@ -85,7 +86,8 @@ def test_an_empty_token_id_prompt_is_refused_and_replay_sends_the_bos(vllm):
     ["azure-conv", "--requests", "16", "--max-tokens", "32", "--max-concurrency", "8"],
 ])
 def test_labkit_replay_completes_against_vllm(vllm, argv, capsys):
-    command = ["replay", *argv, "--url", vllm.url, "--model", vllm.model, "--no-progress"]
+    command = ["replay", *argv, "--url", vllm.url, "--model", vllm.model, "--vocab-size", str(LLAMA.vocab_size),
+               "--no-progress"]
     assert main(command) == 0
     out = capsys.readouterr().out
     assert "failed: 0 of" in out and "fallbacks: none" in out

@@ -31,9 +31,11 @@ from labkit.checks import whole_number
 
 
 def vllm_capture_sizes(largest: int) -> tuple[int, ...]:
-    """vLLM's default pattern of CUDA-graph batch sizes, up to `largest`: 1, 2, 4, then multiples of 8."""
+    """vLLM's default pattern of CUDA-graph batch sizes, up to `largest`: 1, 2, 4, multiples of 8
+    below 256, then multiples of 16 (`cudagraph_capture_sizes` in vllm/config/vllm.py, 0.32)."""
     whole_number("largest", largest)
-    return tuple(size for size in (1, 2, 4, *range(8, largest + 1, 8)) if size <= largest)
+    pattern = (1, 2, 4, *range(8, 256, 8), *range(256, largest + 1, 16))
+    return tuple(size for size in pattern if size <= largest)
 
 
 @dataclass(frozen=True)

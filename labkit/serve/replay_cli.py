@@ -89,6 +89,11 @@ def add_replay_parser(commands) -> argparse.ArgumentParser:
         help="seed for the sampled trace and for prompt ids, as the engine draws them (default 0)",
     )
     parser.add_argument(
+        "--vocab-size", metavar="N", type=whole_number(2), default=512,
+        help="draw prompt ids below N, as labkit's engine draws them for a model of this vocabulary (default 512, "
+        "TinyGPT's); a server refuses an id past its model's vocabulary",
+    )
+    parser.add_argument(
         "--bos-token-id", metavar="ID", type=bos_token_id, default=0,
         help="the served model's begin-of-sequence id, sent before every token-id prompt so every server "
         "gets the ids labkit's engine feeds its model (default 0, TinyGPT's; a --tokenizer brings its own; "
@@ -120,6 +125,7 @@ def replay_command(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     max_model_len = args.max_model_len or served_max_model_len(args.url, args.model, args.api_key)
     trace, description = load_replay_trace(args, parser, max_model_len)
     options = dict(url=args.url, model=args.model, max_concurrency=args.max_concurrency, seed=args.seed,
+                   vocab_size=args.vocab_size,
                    tokenizer=args.tokenizer, bos_token_id=args.bos_token_id, api_key=args.api_key)
     try:
         trace, pace = at_load(trace, args, parser, options)
