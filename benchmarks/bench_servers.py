@@ -27,7 +27,8 @@ tokens out): labkit's and vLLM's as token ids, the model's begin-of-sequence id 
 `transformers serve`, which takes only text, as the prompt's text (its tokenizer adds the
 begin-of-sequence token); the result records whether all agree.
 
-Results go to benchmarks/results/servers-<device>.json; lesson 09 quotes their range.
+Results go to benchmarks/results/servers-cpu.json, or servers-cpu-vllm.json when vLLM took
+part; lesson 09 quotes their ranges.
 Run: `python benchmarks/bench_servers.py` (about three minutes on a 2-core CPU).
 """
 
@@ -157,7 +158,7 @@ def main() -> None:
               "range": {name: {key: [min(r[key] for r in rows), max(r[key] for r in rows)] for key in rows[0]}
                         for name, rows in runs.items()}}
     RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / "servers-cpu.json"
+    path = RESULTS / ("servers-cpu-vllm.json" if with_vllm else "servers-cpu.json")
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result["range"], indent=2))
     print(f"wrote {path}")

@@ -59,7 +59,7 @@ from labkit.engine.timing import (count_step_operations, decode_step_parts, deco
 from labkit.sched import BlockPool, StepLog
 from labkit.sched.driver import drive
 from labkit.sched.overlap import drive_overlapped
-from labkit.sched.policy import check_policy
+from labkit.sched.policy import check_policy, shape_of
 from labkit.sched.scheduler import kv_pool
 from labkit.sched.shape import ExecutionShape
 from labkit.traffic import Trace
@@ -135,7 +135,7 @@ class Engine:
         progress: show a progress bar for runs longer than about a second.
         """
         check_policy(policy)
-        self._check_shape(policy.shape)
+        self._check_shape(shape_of(policy))
         self._check_fits(trace)
         self._check_vocabulary(trace)
         blocks = kv_pool(policy, int(sequence_lengths(trace).max()))

@@ -78,6 +78,12 @@ def check_policy(policy) -> None:
         )
 
 
+def shape_of(policy) -> ExecutionShape:
+    """The batches `policy` says the engine runs: its `shape`, or any batch for a policy that
+    names none (one written by hand, such as lesson 07's refill step)."""
+    return getattr(policy, "shape", ExecutionShape())
+
+
 def _ids(requests) -> tuple[int, ...]:
     return tuple([r.id for r in requests])
 

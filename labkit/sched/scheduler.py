@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from labkit.sched.blocks import BlockPool, num_blocks_for
+from labkit.sched.policy import shape_of
 from labkit.sched.state import Batch, Decision, Request, SchedulerState
 from labkit.sched.steplog import StepLog
 
@@ -70,7 +71,7 @@ class Scheduler:
             decision = self.policy.schedule(self.state)
             self._apply(decision)
             self.decisions.append(decision)
-            batch = self.state.batch(decision, self.policy.pads_finished, self.policy.shape)
+            batch = self.state.batch(decision, self.policy.pads_finished, shape_of(self.policy))
             if batch.size or not (decision.release or decision.preempt):
                 break  # else slots or blocks came free: decide again at once
         self.state.allocate(batch)
