@@ -10,8 +10,9 @@ have no transformers flag: it caps a batch at 1,024 requests by default) and one
 A third server, labkit's with 24 slots (as many as the traffic has requests), takes the slot
 cap away. vLLM gets labkit's limits under its own flags (`--max-num-seqs 8`,
 `--max-num-batched-tokens 256`, `--max-model-len 2048`), a 1 GiB KV cache, float32 and eager
-mode (no CUDA graphs or torch.compile on a CPU), and its own block size (its CPU attention
-takes only multiples of 32 tokens); its CPU build pins its threads to one core by itself. After a warm-up replay on each, it measures each, taking turns, `--repeats` times
+mode (no CUDA graphs or torch.compile on a CPU), its own block size (its CPU attention
+takes only multiples of 32 tokens), prefix caching off (on by default in vLLM 0.32; labkit
+has none, and the rounds replay the same prompts) and one thread, pinned to core 0. After a warm-up replay on each, it measures each, taking turns, `--repeats` times
 (default 5):
 
 - lesson 09's traffic: the first 24 Azure conversation requests that fit, outputs capped at
@@ -132,7 +133,8 @@ def main() -> None:
                        "transformers serve": theirs}
             if with_vllm:
                 servers[f"vllm serve --max-num-seqs {SLOTS}"] = running.enter_context(start_vllm_serve(
-                    directory, max_num_seqs=SLOTS, max_model_len=CONFIG.max_seq_len, max_num_batched_tokens=256))
+                    directory, max_num_seqs=SLOTS, max_model_len=CONFIG.max_seq_len, max_num_batched_tokens=256,
+                    threads=1))
             for server in servers.values():
                 server.wait_until_healthy(timeout=VLLM_START_TIMEOUT_S)
                 lk.replay(lesson_trace().backlogged(), **replay_options(server, directory))  # warm-up, not kept

@@ -162,12 +162,14 @@ def vllm_command() -> Path | None:
 
 def start_vllm_serve(directory: str | os.PathLike, *, max_num_seqs: int = 16, max_model_len: int = 1024,
                      max_num_batched_tokens: int | None = None, block_size: int | None = None, kv_cache_gib: int = 1,
-                     threads: int | None = None) -> ServerProcess:
+                     threads: int | None = None, prefix_caching: bool = False) -> ServerProcess:
     """`vllm serve DIRECTORY` on the CPU on a free port, offline, in float32 and eager mode; its model
     name is the directory as given. max_num_seqs, max_model_len, max_num_batched_tokens: its
     scheduler's limits (labkit serve's --slots, --max-model-len, --budget); block_size: tokens per
     KV block (None: its own default); kv_cache_gib: its KV
-    cache; threads: its CPU threads (OMP_NUM_THREADS; None: its default)."""
+    cache; threads: its CPU threads, pinned to cores 0.. (VLLM_CPU_OMP_THREADS_BIND; None: its
+    default, every core of a NUMA node but one); prefix_caching: serve repeated prompt prefixes
+    from its cache (vLLM's default is on; off here, since labkit serve has no such cache)."""
     executable = vllm_command()
     if executable is None:
         raise RuntimeError("no vllm command: run tools/install_vllm.sh (or make vllm), or set LABKIT_VLLM")
@@ -178,8 +180,10 @@ def start_vllm_serve(directory: str | os.PathLike, *, max_num_seqs: int = 16, ma
         command += ["--max-num-batched-tokens", str(max_num_batched_tokens)]
     if block_size is not None:
         command += ["--block-size", str(block_size)]
+    if not prefix_caching:
+        command.append("--no-enable-prefix-caching")
     env = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
-           **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
+           **({"VLLM_CPU_OMP_THREADS_BIND": "0" if threads == 1 else f"0-{threads - 1}"} if threads else {})}
     return ServerProcess("vllm serve", command, port, str(directory), env)
 
 
