@@ -12,8 +12,8 @@ cap away. vLLM gets labkit's limits under its own flags (`--max-num-seqs 8`,
 `--max-num-batched-tokens 256`, `--max-model-len 2048`), a 1 GiB KV cache, float32 and eager
 mode (no CUDA graphs or torch.compile on a CPU), its own block size (its CPU attention
 takes only multiples of 32 tokens), prefix caching off (on by default in vLLM 0.32; labkit
-has none, and the rounds replay the same prompts) and one thread, pinned to core 0. After a warm-up replay on each, it measures each, taking turns, `--repeats` times
-(default 5):
+has none, and the rounds replay the same prompts) and one thread, pinned to core 0. After a warm-up replay on each, it measures each, taking turns in the same order every
+round (vLLM last), `--repeats` times (default 5); every replay asks for greedy decoding:
 
 - lesson 09's traffic: the first 24 Azure conversation requests that fit, outputs capped at
   32 tokens, at twice the capacity `labkit serve --slots 8` shows in that round (every request
@@ -44,6 +44,7 @@ import tempfile
 from pathlib import Path
 
 import httpx
+import numpy as np
 import torch
 import transformers
 
@@ -102,8 +103,10 @@ def measure(server, directory: str, traffic: lk.Trace) -> dict:
     eight = lk.replay(lk.Trace.from_lengths([64] * 8, prompt_lengths=[16] * 8), **replay)
     assert not (log.failures or lone.failures or eight.failures), (log.failures, lone.failures, eight.failures)
     row = lk.metrics.summary(log)
+    chunks = np.concatenate(log.chunk_sizes)
     return {"tokens_per_s": row["tokens/s"], "ttft_p50_s": row["TTFT p50 (s)"], "ttft_p99_s": row["TTFT p99 (s)"],
-            "itl_p50_ms": row["ITL p50 (ms)"], "lone_itl_p50_ms": lk.metrics.summary(lone)["ITL p50 (ms)"],
+            "itl_p50_ms": row["ITL p50 (ms)"], "tpot_mean_ms": float(np.mean(lk.metrics.tpot(log))) * 1e3,
+            "chunks_with_several_tokens": float(np.mean(chunks > 1)), "lone_itl_p50_ms": lk.metrics.summary(lone)["ITL p50 (ms)"],
             "eight_itl_p50_ms": lk.metrics.summary(eight)["ITL p50 (ms)"]}
 
 

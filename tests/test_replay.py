@@ -262,8 +262,9 @@ def test_requests_replays_only_the_first_requests(stand_in):
 def test_every_request_asks_for_exactly_its_length(stand_in):
     replay(lk.Trace.from_lengths([4]), url=stand_in.url, model=MODEL, progress=False)
     [(_, body)] = stand_in.behaviour.received
-    assert body == {"model": MODEL, "prompt": [0], "max_tokens": 4, "min_tokens": 4, "ignore_eos": True,
-                    "return_token_ids": True, "stream": True, "stream_options": {"include_usage": True}}
+    assert body == {"model": MODEL, "prompt": [0], "max_tokens": 4, "temperature": 0, "min_tokens": 4,
+                    "ignore_eos": True, "return_token_ids": True, "stream": True,
+                    "stream_options": {"include_usage": True}}
 
 
 def test_prompt_ids_equal_the_engine_s():
@@ -547,8 +548,8 @@ def test_a_server_that_refuses_the_length_fields_and_token_ids_gets_neither_from
     assert first["prompt"] == [0, *prompt_ids(0, 3)] and first["ignore_eos"] is True and first["min_tokens"] == 5
     prompts = [byte_text(prompt_ids(i, n)) or " " for i, n in enumerate(prompt_lengths)]  # an empty one: a space
     assert [sends[n][-1] for n in lengths] == [
-        {"model": MODEL, "prompt": prompt, "max_tokens": n, "stream": True, "stream_options": {"include_usage": True},
-         "return_token_ids": True} for prompt, n in zip(prompts, lengths)]
+        {"model": MODEL, "prompt": prompt, "max_tokens": n, "temperature": 0, "stream": True,
+         "stream_options": {"include_usage": True}, "return_token_ids": True} for prompt, n in zip(prompts, lengths)]
     assert all(1 < len(sends[n]) <= 3 for n in lengths)  # refused at most once per fallback, never in a loop
     # the metrics count what came back: request 0 got 4 of its 5 tokens
     assert log.asked_lengths.tolist() == lengths and log.trace.output_lengths.tolist() == [4, 3, 4, 2]

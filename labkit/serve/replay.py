@@ -47,6 +47,9 @@ Invariants:
   refusal names a fallback it was not sent with, so it is sent at most once per fallback, and a
   request refused in the fallback mode fails with the server's message. A resent request keeps
   its first `sent_at`: the refused round trip counts in its TTFT;
+- every request asks for greedy decoding (`temperature: 0`, OpenAI's field): a server whose
+  model sets no temperature samples at 1.0 by default (vLLM does), and its tokens would then
+  match no other run's;
 - a request whose trace priority is not 0 is sent with it (vLLM's `priority` field);
 - at most `max_concurrency` requests are in flight; once one cannot connect, the server is
   unreachable and every request not yet sent fails at once instead of waiting for its arrival;
@@ -505,7 +508,8 @@ class _Replay:
         the default of every server that knows the field (vLLM's, labkit's), so a server that
         does not is never sent it."""
         length, priority = int(self.trace.output_lengths[i]), int(self.trace.priorities[i])
-        body = {"model": self.model, "prompt": self._prompt(i, fallbacks), "max_tokens": length, "stream": True,
+        body = {"model": self.model, "prompt": self._prompt(i, fallbacks), "max_tokens": length, "temperature": 0,
+                "stream": True,
                 "stream_options": {"include_usage": True}}
         extensions = {"min_tokens": length, "ignore_eos": True, "return_token_ids": True,
                       **({"priority": priority} if priority else {})}
