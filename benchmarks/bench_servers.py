@@ -12,12 +12,13 @@ cap away. vLLM gets labkit's limits under its own flags (`--max-num-seqs 8`,
 `--max-num-batched-tokens 256`, `--max-model-len 2048`), a 1 GiB KV cache, float32 and eager
 mode (no CUDA graphs or torch.compile on a CPU), its own block size (its CPU attention
 takes only multiples of 32 tokens), prefix caching off (on by default in vLLM 0.32; labkit
-has none, and the rounds replay the same prompts) and one thread, pinned to core 0. After a warm-up replay on each, it measures each, taking turns in the same order every
+has none, and the rounds replay the same prompts) and one thread, pinned to core 0.
+After a warm-up replay on each, it measures each, taking turns in the same order every
 round (vLLM last), `--repeats` times (default 5); every replay asks for greedy decoding:
 
 - lesson 09's traffic: the first 24 Azure conversation requests that fit, outputs capped at
   32 tokens, at twice the capacity `labkit serve --slots 8` shows in that round (every request
-  sent at once, as the lesson measures it), the same arrivals for all three servers
+  sent at once, as the lesson measures it), the same arrivals for every server
   (tokens/s, TTFT, ITL);
 - a lone request (a 16-token prompt, 64 tokens out): its median ITL, over HTTP, with nothing
   else to schedule: one request's decode step plus each server's streaming path;
