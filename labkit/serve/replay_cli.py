@@ -194,8 +194,9 @@ def bos_token_id(text: str) -> int | None:
 def load_replay_trace(args: argparse.Namespace, parser: argparse.ArgumentParser,
                       max_model_len: int | None) -> tuple[lk.Trace, str]:
     """The requests the replay sends: the first REQUESTS of the trace TRACE names whose sequence
-    (BOS, unless --bos-token-id none, prompt and output) fits in `max_model_len` tokens (None: all), outputs cut to --max-tokens first; and one
-    line saying where they came from. A bad trace, or one of which nothing fits, ends in `parser.error`."""
+    (BOS, unless --bos-token-id none, prompt and output) fits in `max_model_len` tokens (None:
+    all), outputs cut to --max-tokens first; and one line saying where they came from. A bad
+    trace, or one of which nothing fits, ends in `parser.error`."""
     if args.rate is not None and args.trace != "exponential":
         parser.error("argument --rate: only TRACE exponential samples arrivals; "
                      "toy, azure-conv and CSV traces keep their own")
