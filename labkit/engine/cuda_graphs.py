@@ -120,15 +120,14 @@ class DecodeGraphs:
         return self.buckets[key]
 
     def _load(self, bucket: _Bucket, batch: StepBatch) -> None:
-        """Copy the step into the bucket's buffers; table entries past a request's blocks point at the padding block."""
-        num_rows = batch.num_requests
+        """Copy the step into the bucket's buffers (one row each: the bucket is the step's size);
+        table entries past a request's blocks point at the padding block."""
         num_blocks = min(batch.block_tables.shape[1], bucket.block_tables.shape[1])  # a table may reserve more
-        padding_block = self.cache.padding_block
-        bucket.input_ids.zero_()[:num_rows].copy_(batch.input_ids)
-        bucket.positions.zero_()[:num_rows].copy_(batch.positions)
-        bucket.write_entries.fill_(padding_block * self.cache.block_size)[:num_rows].copy_(batch.write_entries)
-        bucket.block_tables.fill_(padding_block)[:num_rows, :num_blocks].copy_(batch.block_tables[:, :num_blocks])
-        bucket.context_lens.fill_(1)[:num_rows].copy_(torch.tensor(batch.context_lens))
+        bucket.input_ids.copy_(batch.input_ids)
+        bucket.positions.copy_(batch.positions)
+        bucket.write_entries.copy_(batch.write_entries)
+        bucket.block_tables.fill_(self.cache.padding_block)[:, :num_blocks].copy_(batch.block_tables[:, :num_blocks])
+        bucket.context_lens.copy_(torch.tensor(batch.context_lens))
 
     def _step(self, bucket: _Bucket) -> torch.Tensor:
         """The decode step on the bucket's buffers: tensors only, so a graph can record it."""

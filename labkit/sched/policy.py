@@ -114,7 +114,7 @@ class _Policy:
         if not isinstance(self.shape, ExecutionShape):
             raise ValueError(f"shape = {self.shape!r}: must be a labkit.ExecutionShape, such as "
                              "ExecutionShape(decode_sizes=[8, 16])")
-        self.shape.check_policy(self.num_slots)
+        self.shape.check_slots(self.num_slots)
 
     __repr__ = _short_repr
 

@@ -95,7 +95,7 @@ class ExecutionShape:
                 f"engine's max_seq_len = {self.max_seq_len}; it can never run"
             )
 
-    def check_policy(self, num_slots: int) -> None:
+    def check_slots(self, num_slots: int) -> None:
         """A ValueError if a step of `num_slots` decodes would already break `max_num_tokens`
         (vLLM refuses `max_num_batched_tokens` below `max_num_seqs` for the same reason)."""
         if self.max_num_tokens is not None and self.max_num_tokens < num_slots:
