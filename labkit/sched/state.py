@@ -180,7 +180,8 @@ class Batch:
         self.padding = list(padding)
         num_rows = self.size + len(self.padding)
         self.decode_size = decode_size or num_rows  # rows a pure decode step of this batch computes
-        self.num_shape_padding = self.decode_size - num_rows if self.size and self.is_pure_decode else 0
+        needs_padding = self.size and self.decode_size > num_rows  # checked first: most runs have no shape
+        self.num_shape_padding = self.decode_size - num_rows if needs_padding and self.is_pure_decode else 0
         self._work: StepWork | None = None
 
     @property
