@@ -2,7 +2,6 @@
 
 Every test that takes the `engine` fixture runs under both attention layouts."""
 
-import functools
 from dataclasses import replace
 
 import numpy as np
@@ -14,7 +13,7 @@ from labkit.engine import Engine, ModelConfig
 from labkit.engine.attention import ATTENTION_LAYOUTS
 from labkit.engine.runner import sequence_lengths
 from labkit.sched.driver import drive
-from labkit.sched.scheduler import kv_pool
+from labkit.sched.scheduler import StepOutcome, kv_pool
 
 TINY = ModelConfig(vocab_size=97, d_model=32, n_layers=2, n_heads=2, d_ff=64, max_seq_len=128)
 MIXED = lk.Trace.from_lengths([5, 1, 9, 3, 7, 2], prompt_lengths=[3, 0, 12, 1, 20, 6])
@@ -156,17 +155,16 @@ def test_the_clock_free_runner_gives_the_timed_engines_tokens(engine, solo, poli
     """`ModelRunner.run` under the shared loop, with a fixed step time and no clock, log or
     timer: the tokens of the timed engine."""
     blocks = kv_pool(policy, int(sequence_lengths(MIXED).max()))
-    runner = engine.model_runner(blocks, functools.partial(engine.prompt, MIXED))
+    runner = engine.model_runner(blocks)
 
     class Untimed:
-        def execute(self, state, batch, log):
-            runner.run(batch)
-            return 1.0
+        def execute(self, batch):
+            return StepOutcome(runner.run(batch), 1.0)
 
+    prompts = [engine.prompt(MIXED, index) for index in range(len(MIXED))]
     with torch.inference_mode():
-        drive(MIXED, policy, Untimed(), blocks=blocks)
-    outputs = {int(MIXED.ids[i]): sequence[1 + int(MIXED.prompt_lengths[i]) :] for i, sequence in runner.sequences.items()}
-    assert outputs == solo
+        log = drive(MIXED, policy, Untimed(), blocks=blocks, prompts=prompts)
+    assert log.outputs == solo
 
 
 def test_measured_steps_are_split_into_phases(engine):

@@ -1,7 +1,6 @@
 """Execution shapes: decode batch sizes, a most tokens per step and a longest sequence, as an
 admission limit the scheduler, the simulator and the engine all read (`labkit.sched.shape`)."""
 
-import functools
 
 import numpy as np
 import pytest
@@ -13,7 +12,7 @@ from hypothesis import strategies as st
 import labkit as lk
 from labkit.engine import Engine, ModelConfig
 from labkit.engine.runner import sequence_lengths
-from labkit.engine.steps import TimedRunner
+from labkit.engine.steps import StepTimer, TimedSteps
 from labkit.sched.driver import drive
 from labkit.sched.scheduler import kv_pool
 from labkit.sched.policy import NO_SHAPE
@@ -110,9 +109,11 @@ def test_a_shape_padded_row_writes_only_the_padding_block(engine):
     for shape in (SIZES_8_16, lk.ExecutionShape()):
         policy = lk.Continuous(num_slots=16, shape=shape)
         blocks = kv_pool(policy, int(sequence_lengths(NINE).max()))
-        runner = engine.model_runner(blocks, functools.partial(engine.prompt, NINE))
+        timer = StepTimer(is_cuda=False)
+        runner = engine.model_runner(blocks, timer=timer)
+        prompts = [engine.prompt(NINE, index) for index in range(len(NINE))]
         with torch.inference_mode():
-            drive(NINE, policy, TimedRunner(runner, tqdm(disable=True)), blocks=blocks)
+            drive(NINE, policy, TimedSteps(runner, timer, tqdm(disable=True)), blocks=blocks, prompts=prompts)
         caches.append(runner.cache.k.clone())  # (layers, blocks + 1, block_size, nkv, hs), the padding block last
     padded, plain = caches
     torch.testing.assert_close(padded[:, :-1], plain[:, :-1])

@@ -1,24 +1,29 @@
 """The model runner: one engine step on the model, prepare → forward → sample, and no clock.
 
 `ModelRunner.run(batch)` is a whole step, as nano-vllm's `ModelRunner.run` is: build the
-step's inputs from the rows the scheduler chose (`prepare`), run TinyGPT over them, or
-replay a CUDA graph for a pure decode step (`forward`), pick each emitting row's next
-token (`sample`) and append it to the request's sequence (`take`). It measures and records
-nothing. The back ends call the same phases: `labkit.engine.steps` with a clock between
-them, `labkit.engine.overlap` on two threads, and the server (`labkit.serve.online`) as
-they are, through `run`.
+step's inputs from the rows the scheduler chose and the tokens their requests hold
+(`prepare`), run TinyGPT over them, or replay a CUDA graph for a pure decode step
+(`forward`), and pick each emitting row's next token (`sample`). It returns the tokens;
+the scheduler's `postprocess` takes them into the requests. Every loop calls it: `Engine.run`
+(by way of `labkit.engine.steps`, whose timer the runner calls at each phase), the
+overlapped engine (`labkit.engine.overlap`, whose lane runs the forward and the sampling)
+and the server (`labkit.serve.online`).
 
 Invariants:
 
-- a request's sequence is the model's begin-of-sequence token and its prompt (`prompt(index)`,
-  taken when the request first runs), then its outputs, each appended as it is sampled;
+- a request's tokens are its own (`Request.token_ids`): its first tokens (begin-of-sequence
+  and prompt ids), then its outputs, each taken in by the scheduler as it is sampled; the
+  runner reads them and writes none;
 - a step feeds each row exactly the tokens the scheduler gave it: the next `n` uncomputed
   ones (a prompt, a chunk, a recompute after preemption, or the last output); a padded row
   (a finished request kept computing, n = 0) feeds its last computed token again, rewriting
   its own cache entry in place, and samples nothing; a shape-padding row (the rows that bring
   a pure decode step to a batch size the engine runs, `Batch.num_shape_padding`) feeds token
   0 at position 0 into the cache's padding block, and samples nothing;
-- a row samples a token exactly when its step leaves none of its tokens uncomputed.
+- a row samples a token exactly when its step leaves none of its tokens uncomputed;
+- sampling is greedy, except that a request short of its `min_tokens` outputs cannot pick
+  one of its end-of-sequence ids (as vLLM and transformers mask them); which ids each row
+  may not pick is fixed when the step is prepared.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import hashlib
 import sys
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -36,14 +42,6 @@ from labkit.engine.cuda_graphs import DecodeGraphs
 from labkit.engine.kv import PagedKVCache
 from labkit.engine.model import StepBatch, TinyGPT
 from labkit.sched.state import Batch, Request
-
-Sampler = Callable[[torch.Tensor, list[Request]], torch.Tensor]  # (E, vocab) logits, their requests -> (E,) ids
-
-
-def greedy(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-    """(E,) the most likely token of each row of (E, vocab) logits."""
-    return logits.argmax(dim=-1)
-
 
 HostWork = Callable[[float], None]  # `seconds` of host work: busy_python, busy_native, sleep_holding_lock, time.sleep
 _HASHED = bytes(1 << 18)  # 256 KiB: about 0.15 ms of hashing a call, the interpreter lock released
@@ -78,46 +76,53 @@ def sleep_holding_lock(seconds: float) -> None:
 
 @dataclass(frozen=True)
 class PreparedStep:
-    """A step's model inputs, and the rows among them that sample a token."""
+    """A step's model inputs, the rows among them that sample a token, and for each of those
+    the ids it may not pick yet (a request short of its `min_tokens`: its end-of-sequence ids)."""
 
     inputs: StepBatch
     emitting: list[int]  # rows whose step leaves none of their tokens uncomputed
     requests: list[Request]  # the emitting rows' requests, in the same order
+    banned: list[tuple[int, ...]]  # per emitting row
 
-    @property
-    def num_kv_tokens(self) -> int:
-        """The cache entries the step's attention reads: every row's context."""
-        return sum(self.inputs.context_lens)
+
+class Untimed:
+    """The timer of a runner that nobody times: each phase just runs."""
+
+    def phase(self, name: str) -> nullcontext:
+        return nullcontext()
 
 
 class ModelRunner:
     """Runs steps of `model` over `cache`: prepare, forward, sample.
 
-    prompt(index): the begin-of-sequence token and the prompt ids of the request at that index.
     graphs: CUDA graphs to replay pure decode steps from (None: every step runs eagerly).
-    sample: picks each emitting row's token (greedy by default).
     extra_host_seconds: host work added to every step's preparation, a knob to make the
     host's share large on purpose; extra_host_work does it (busy Python by default, holding a
     core and the interpreter lock; `busy_native` holds the core only, `sleep_holding_lock` the
     lock only, `time.sleep` neither).
+    timer: what `run` tells when each phase ("prepare", "forward", "sample") starts and ends
+    (`labkit.engine.steps.StepTimer`); by default nobody is told.
     """
 
-    def __init__(self, model: TinyGPT, cache: PagedKVCache, prompt: Callable[[int], list[int]],
-                 graphs: DecodeGraphs | None = None, sample: Sampler = greedy, extra_host_seconds: float = 0.0,
-                 extra_host_work: HostWork = busy_python):
-        self.model, self.cache, self.prompt, self.graphs, self.sample = model, cache, prompt, graphs, sample
+    def __init__(self, model: TinyGPT, cache: PagedKVCache, graphs: DecodeGraphs | None = None,
+                 extra_host_seconds: float = 0.0, extra_host_work: HostWork = busy_python, timer=None):
+        self.model, self.cache, self.graphs = model, cache, graphs
         self.extra_host_seconds, self.extra_host_work = extra_host_seconds, extra_host_work
+        self.timer = timer or Untimed()
         self.device = cache.k.device
-        self.sequences: dict[int, list[int]] = {}  # request index -> its tokens so far
 
     def run(self, batch: Batch) -> list[int]:
-        """One step of `batch`: the token each emitting row sampled, in row order, each taken
-        into its request's sequence."""
-        step = self.prepare(batch)
-        logits = self.forward(step.inputs)[step.emitting]  # (E, vocab)
-        tokens = self.sample(logits, step.requests).tolist()  # (E,) ids; waits for the device
-        self.take(step, tokens)
-        return tokens
+        """One step of `batch`: the token each emitting row sampled, in row order."""
+        with self.timer.phase("prepare"):
+            step = self.prepare(batch)
+        return self.compute(step)
+
+    def compute(self, step: PreparedStep) -> list[int]:
+        """The device's part of a step: the forward pass, then sampling."""
+        with self.timer.phase("forward"):
+            logits = self.forward(step.inputs)[step.emitting]  # (E, vocab)
+        with self.timer.phase("sample"):
+            return self.sample(logits, step).tolist()  # (E,) ids; waits for the device
 
     def prepare(self, batch: Batch) -> PreparedStep:
         """The step's inputs: the batch's rows, then its padding (finished requests, 0 new
@@ -127,10 +132,8 @@ class ModelRunner:
         rows = [*batch.rows, *((request, 0) for request in batch.padding)]
         new_tokens, starts = [], []
         for request, num_tokens in rows:
-            if request.index not in self.sequences:  # its first step: its sequence starts as its prompt
-                self.sequences[request.index] = self.prompt(request.index)
             first = request.num_computed if num_tokens else request.num_computed - 1
-            new_tokens.append(self.tokens(request, first, max(num_tokens, 1)))
+            new_tokens.append(request.token_ids[first : first + max(num_tokens, 1)])
             starts.append(first)
         tables = [request.block_table for request, _ in rows]
         for _ in range(batch.num_shape_padding):
@@ -139,13 +142,8 @@ class ModelRunner:
             tables.append([self.cache.padding_block])
         inputs = StepBatch.build(new_tokens, starts, tables, self.cache.block_size, self.device)
         emitting = [i for i, (request, n) in enumerate(rows) if n and n == request.num_uncomputed]
-        return PreparedStep(inputs, emitting, [rows[i][0] for i in emitting])
-
-    def tokens(self, request: Request, first: int, count: int) -> list[int]:
-        """Tokens first .. first + count - 1 of the request's sequence."""
-        sequence = self.sequences[request.index]
-        assert first + count <= len(sequence), f"{request} needs tokens {first}..{first + count - 1} of {len(sequence)}"
-        return sequence[first : first + count]
+        requests = [rows[i][0] for i in emitting]
+        return PreparedStep(inputs, emitting, requests, [banned_ids(request) for request in requests])
 
     def forward(self, inputs: StepBatch) -> torch.Tensor:
         """(R, vocab) logits of each row's last new token: replayed from a CUDA graph for a
@@ -154,7 +152,14 @@ class ModelRunner:
             return self.graphs(inputs)
         return self.model(inputs, self.cache)
 
-    def take(self, step: PreparedStep, tokens: list[int]) -> None:
-        """Append each emitting row's token to its request's sequence."""
-        for request, token in zip(step.requests, tokens):
-            self.sequences[request.index].append(token)
+    def sample(self, logits: torch.Tensor, step: PreparedStep) -> torch.Tensor:
+        """(E,) the most likely token of each emitting row's (E, vocab) logits that it may pick."""
+        for row, banned in enumerate(step.banned):
+            if banned:
+                logits[row, list(banned)] = float("-inf")  # a copy of the forward's logits: indexed
+        return logits.argmax(dim=-1)
+
+
+def banned_ids(request: Request) -> tuple[int, ...]:
+    """The ids `request` may not sample next: its end-of-sequence ids, until it has `min_tokens` outputs."""
+    return request.eos_token_ids if request.num_generated < request.min_tokens else ()

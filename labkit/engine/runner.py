@@ -3,9 +3,10 @@
 `Engine.run(trace, policy)` takes the same policy objects as `labkit.simulate` and
 returns the same `StepLog`: the shared loop in `labkit.sched.driver` asks the policy,
 applies its decision and records the step; the engine only executes steps. A
-`ModelRunner` (`labkit.engine.model_runner`) runs each step on the model, and a back end
-around it times and logs it (`labkit.engine.steps`). With `overlap=True` the loop is
-`labkit.sched.overlap`'s, one step ahead, and the back end `labkit.engine.overlap`'s.
+`ModelRunner` (`labkit.engine.model_runner`) runs each step on the model, timed by the
+`StepTimer` it calls at each phase (`labkit.engine.steps`). With `overlap=True` the loop is
+`labkit.sched.overlap`'s, one step ahead, and the runner `labkit.engine.overlap`'s
+`LaneRunner`, the same step with its device work on a lane of its own.
 
 Invariants:
 
@@ -38,9 +39,6 @@ Invariants:
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
-
 import numpy as np
 import torch
 from tqdm.auto import tqdm
@@ -51,9 +49,9 @@ from labkit.engine.cuda_graphs import DecodeGraphs
 from labkit.engine.device import default_threads, resolve_device, torch_threads
 from labkit.engine.kv import PagedKVCache
 from labkit.engine.model import TinyGPT
-from labkit.engine.model_runner import HostWork, ModelRunner, Sampler, busy_python, greedy
-from labkit.engine.overlap import OverlappedRunner
-from labkit.engine.steps import TimedRunner
+from labkit.engine.model_runner import HostWork, ModelRunner, busy_python
+from labkit.engine.overlap import LaneRunner, OverlappedSteps
+from labkit.engine.steps import StepTimer, TimedSteps
 from labkit.engine.timing import (count_step_operations, decode_step_parts, decode_step_seconds,
                                   linear_layers_seconds)
 from labkit.sched import BlockPool, StepLog
@@ -139,27 +137,27 @@ class Engine:
         self._check_fits(trace)
         self._check_vocabulary(trace)
         blocks = kv_pool(policy, int(sequence_lengths(trace).max()))
-        runner = self.model_runner(blocks, functools.partial(self.prompt, trace))
+        prompts = [self.prompt(trace, index) for index in range(len(trace))]
         with torch.inference_mode(), torch_threads(self.threads), tqdm(
             total=int(trace.output_lengths.sum()), unit="tok", delay=1.0, disable=not progress, leave=False
         ) as bar:
             if self.overlap:
-                with OverlappedRunner(runner, len(trace), bar) as overlapped:
-                    log = drive_overlapped(trace, policy, overlapped, on_step, blocks)
+                with OverlappedSteps(self.model_runner(blocks, LaneRunner, num_requests=len(trace)), bar) as steps:
+                    log = drive_overlapped(trace, policy, steps, on_step, blocks, prompts)
             else:
-                log = drive(trace, policy, TimedRunner(runner, bar), on_step, blocks)
+                timer = StepTimer(self.device.type == "cuda")
+                steps = TimedSteps(self.model_runner(blocks, timer=timer), timer, bar)
+                log = drive(trace, policy, steps, on_step, blocks, prompts)
         assert blocks.num_free_blocks == blocks.num_blocks, "a run must return every KV block"
-        log.outputs = {int(trace.ids[i]): sequence[1 + int(trace.prompt_lengths[i]) :]  # after BOS and the prompt
-                       for i, sequence in runner.sequences.items()}
         return log
 
-    def model_runner(self, blocks: BlockPool, prompt: Callable[[int], list[int]], sample: Sampler = greedy) -> ModelRunner:
+    def model_runner(self, blocks: BlockPool, kind: type[ModelRunner] = ModelRunner, **options) -> ModelRunner:
         """A runner of this engine's model over a new KV cache of `blocks`' size, with CUDA graphs
-        if the engine uses them; `prompt(index)`: BOS and the prompt of the request at `index`."""
+        if the engine uses them; `kind`: `ModelRunner`, or the overlapped engine's `LaneRunner`,
+        given its `options`."""
         cache = PagedKVCache(self.config, blocks.num_blocks, blocks.block_size, self.device, self.dtype)
         graphs = DecodeGraphs(self.model, cache) if self.cuda_graphs else None
-        return ModelRunner(self.model, cache, prompt, graphs, sample, self.extra_host_seconds,
-                           self.extra_host_work)
+        return kind(self.model, cache, graphs, self.extra_host_seconds, self.extra_host_work, **options)
 
     def prompt(self, trace: Trace, index: int) -> list[int]:
         """BOS and the prompt of the request at `index` in `trace`: the trace's ids if it has them,

@@ -1,9 +1,10 @@
 """The loop both back ends share: arrivals, the policy's decision, a step, the record.
 
-A back end only executes steps. `drive` takes in a trace's arrivals, has the `Scheduler`
-schedule a step (ask the policy, apply its decision), hands the batch to
-`backend.execute`, has the scheduler count the step done, and writes its record into the
-`StepLog`, so the simulator and the engine cannot disagree on who runs when. It asks the
+A back end only executes steps. `drive` takes in a trace's arrivals, then makes three
+calls: the `Scheduler` schedules a step (asks the policy, applies its decision),
+`backend.execute` runs it, and the scheduler's `postprocess` takes the tokens it sampled
+and counts it done; the step's record goes into the `StepLog`. So the simulator and the
+engine cannot disagree on who runs when. It asks the
 policy before every step; `labkit.sched.fastforward` is the same loop for a back end
 that knows its step times in advance, running each decision for as many steps as it holds.
 
@@ -33,8 +34,8 @@ import numpy as np
 
 from labkit.sched.blocks import BlockPool
 from labkit.sched.policy import check_policy
-from labkit.sched.scheduler import Scheduler, kv_pool
-from labkit.sched.state import Batch, Request, SchedulerState
+from labkit.sched.scheduler import Scheduler, StepOutcome, kv_pool
+from labkit.sched.state import Batch, Request
 from labkit.sched.steplog import TIME_SLACK, StepLog
 from labkit.traffic import Trace
 
@@ -42,9 +43,9 @@ from labkit.traffic import Trace
 class Backend(Protocol):
     """Executes steps."""
 
-    def execute(self, state: SchedulerState, batch: Batch, log: StepLog) -> float:
+    def execute(self, batch: Batch) -> StepOutcome:
         """Run one step in which each request of `batch` processes its number of tokens
-        (its KV blocks are allocated already); return the seconds it took."""
+        (its KV blocks are allocated already): the tokens it sampled and the seconds it took."""
 
 
 def drive(
@@ -53,41 +54,52 @@ def drive(
     backend: Backend,
     on_step: Callable[[StepLog], None] | None = None,
     blocks: BlockPool | None = None,
+    prompts: list[list[int]] | None = None,
 ) -> StepLog:
     """Serve `trace` with `policy` on `backend`; `on_step(log)` is called after every step if given.
 
     blocks: the KV pool; by default the policy's (`kv_pool`), or none when that is unlimited.
+    prompts: each request's first tokens (begin-of-sequence and prompt ids), by trace position,
+    for a back end that samples tokens; the log's `outputs` then holds what each sampled.
     """
-    scheduler, pending = start_run(trace, policy, blocks)
-    state, log = scheduler.state, scheduler.log
+    scheduler, pending, log = start_run(trace, policy, blocks, prompts)
+    state = scheduler.state
     num_unfinished = len(state.by_id)
     while num_unfinished:
-        batch = next_batch(scheduler, pending)  # arrivals, decide, apply
+        batch = next_batch(scheduler, pending)  # arrivals, then the policy's decision, applied
         if not batch.size:
             continue  # the clock moved on to the next arrival or wake time
-        seconds = backend.execute(state, batch, log)  # execute
-        record = scheduler.postprocess(batch)  # count it done
-        record.log_to(log, state.now, seconds)  # record
-        state.now += seconds
+        outcome = backend.execute(batch)  # the step: its tokens and seconds
+        record = scheduler.postprocess(batch, outcome.tokens)  # tokens taken in, the step counted done
+        record.log_to(log, state.now, outcome)
+        state.now += outcome.seconds
         num_unfinished -= len(record.finished)
         if on_step:
             on_step(log)
-    scheduler.release_finished()
-    return log
+    return finish_run(scheduler, log)
 
 
-def start_run(trace: Trace, policy, blocks: BlockPool | None) -> tuple[Scheduler, Pending]:
-    """Check that `policy` is one and can serve every request; the scheduler (its state and log)
-    and the arrivals of a new run."""
+def start_run(trace: Trace, policy, blocks: BlockPool | None,
+              prompts: list[list[int]] | None = None) -> tuple[Scheduler, Pending, StepLog]:
+    """Check that `policy` is one and can serve every request; the scheduler, the arrivals
+    and the log of a new run."""
     check_policy(policy)
-    requests = _requests(trace)
+    requests = _requests(trace, prompts)
     for request in requests:
         policy.check_fits(request)
     blocks = blocks if blocks is not None else kv_pool(policy)
-    scheduler = Scheduler(policy, requests, blocks, StepLog(trace, policy.num_slots, repr(policy)))
+    scheduler = Scheduler(policy, requests, blocks)
     pending = Pending(requests)
     scheduler.state.now = pending.next_arrival()
-    return scheduler, pending
+    return scheduler, pending, StepLog(trace, policy.num_slots, repr(policy))
+
+
+def finish_run(scheduler: Scheduler, log: StepLog) -> StepLog:
+    """Free the slots finished requests still hold; the log, with what each request sampled
+    (request id -> output ids) when the back end samples tokens."""
+    scheduler.release_finished()
+    log.outputs = {r.id: r.output_ids for r in scheduler.state.by_id.values() if r.token_ids}
+    return log
 
 
 def next_batch(scheduler: Scheduler, pending: Pending) -> Batch:
@@ -101,9 +113,10 @@ def next_batch(scheduler: Scheduler, pending: Pending) -> Batch:
     return batch
 
 
-def _requests(trace: Trace) -> list[Request]:
+def _requests(trace: Trace, prompts: list[list[int]] | None) -> list[Request]:
     return [
-        Request(index, int(rid), float(arrival), int(prompt), int(output), priority=int(priority))
+        Request(index, int(rid), float(arrival), int(prompt), int(output), priority=int(priority),
+                token_ids=prompts[index] if prompts else None)
         for index, (rid, arrival, prompt, output, priority) in enumerate(
             zip(trace.ids, trace.arrivals, trace.prompt_lengths, trace.output_lengths, trace.priorities)
         )

@@ -33,9 +33,9 @@ from typing import Protocol
 import numpy as np
 
 from labkit.sched.blocks import BlockPool
-from labkit.sched.driver import Pending, next_batch, start_run
+from labkit.sched.driver import Pending, finish_run, next_batch, start_run
 from labkit.sched.policy import HEAD_BLOCKED, NO_BUDGET
-from labkit.sched.scheduler import Scheduler, StepRecord
+from labkit.sched.scheduler import Scheduler, StepOutcome, StepRecord
 from labkit.sched.state import Batch, Decision, Request, SchedulerState
 from labkit.sched.steplog import TIME_SLACK, RunSeconds, StepLog
 from labkit.traffic import Trace
@@ -44,9 +44,9 @@ from labkit.traffic import Trace
 class PlannedBackend(Protocol):
     """A back end whose step times are known before the steps run."""
 
-    def execute(self, state: SchedulerState, batch: Batch, log: StepLog, num_steps: int = 1) -> float | RunSeconds:
-        """Seconds of each of `num_steps` steps of `batch` (its tokens in the first, one
-        decode token each after), or a RunSeconds when they differ."""
+    def execute(self, batch: Batch, num_steps: int = 1) -> StepOutcome:
+        """The seconds of each of `num_steps` steps of `batch` (its tokens in the first, one
+        decode token each after), or a RunSeconds when they differ; no tokens."""
 
     def steps_until(self, batch: Batch, max_steps: int, seconds: float) -> int:
         """How many of the next `max_steps` steps of `batch` run, at least one, until `seconds`
@@ -55,23 +55,23 @@ class PlannedBackend(Protocol):
 
 def fast_forward(trace: Trace, policy, backend: PlannedBackend, blocks: BlockPool | None = None) -> StepLog:
     """Serve `trace` with `policy` as `drive` does, each decision run until the next event."""
-    scheduler, pending = start_run(trace, policy, blocks)
-    state, log = scheduler.state, scheduler.log
+    scheduler, pending, log = start_run(trace, policy, blocks)
+    state = scheduler.state
     num_unfinished = len(state.by_id)
     while num_unfinished:
         batch = next_batch(scheduler, pending)
         if not batch.size:
             continue
-        record = StepRecord.of(state, batch, scheduler.decision.blocked)
+        record = scheduler.record(batch)
         num_steps, growth = plan_run(scheduler, batch, record, pending, backend)
-        seconds = backend.execute(state, batch, log, num_steps)
+        outcome = backend.execute(batch, num_steps)
         run_steps(state, batch, record, num_steps, growth)
+        seconds = outcome.seconds
         end = state.now + (seconds.total if isinstance(seconds, RunSeconds) else num_steps * seconds)
-        record.log_to(log, state.now, seconds, pending.times_by(end) if num_steps > 1 else None)
+        record.log_to(log, state.now, outcome, pending.times_by(end) if num_steps > 1 else None)
         state.now = end
         num_unfinished -= len(record.finished)
-    scheduler.release_finished()
-    return log
+    return finish_run(scheduler, log)
 
 
 def repeats(decision: Decision, batch: Batch, first: StepRecord) -> bool:

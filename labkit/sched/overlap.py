@@ -28,9 +28,9 @@ from collections.abc import Callable
 from typing import NamedTuple, Protocol
 
 from labkit.sched.blocks import BlockPool
-from labkit.sched.driver import Pending, idle_until, start_run
-from labkit.sched.scheduler import Scheduler, StepRecord
-from labkit.sched.state import Batch, SchedulerState
+from labkit.sched.driver import Pending, finish_run, idle_until, start_run
+from labkit.sched.scheduler import Scheduler, StepOutcome, StepRecord
+from labkit.sched.state import Batch
 from labkit.sched.steplog import StepLog
 from labkit.traffic import Trace
 
@@ -38,11 +38,14 @@ from labkit.traffic import Trace
 class OverlappedBackend(Protocol):
     """Launches a step and returns at once; lands it (waits for its outputs) later."""
 
-    def launch(self, state: SchedulerState, batch: Batch, log: StepLog) -> object:
-        """Start one step in which each request of `batch` processes its tokens; a handle for `land`."""
+    def launch(self, batch: Batch) -> tuple[object, list[int] | None]:
+        """Start one step in which each request of `batch` processes its tokens: a handle for
+        `land`, and what stands in for each emitting row's token until it lands (None for a
+        back end that samples none)."""
 
-    def land(self, launched: object, log: StepLog) -> float:
-        """Wait for a launched step and take its outputs; the seconds since the previous step landed."""
+    def land(self, launched: object) -> StepOutcome:
+        """Wait for a launched step and put its tokens in place of their placeholders; its
+        seconds run from the previous landing."""
 
 
 class FixedLanding:
@@ -52,11 +55,11 @@ class FixedLanding:
     def __init__(self, step_time: float):
         self.step_time = step_time
 
-    def launch(self, state: SchedulerState, batch: Batch, log: StepLog) -> None:
-        return None
+    def launch(self, batch: Batch) -> tuple[None, None]:
+        return None, None
 
-    def land(self, launched: None, log: StepLog) -> float:
-        return self.step_time
+    def land(self, launched: None) -> StepOutcome:
+        return StepOutcome(None, self.step_time)
 
 
 class _InFlight(NamedTuple):
@@ -70,10 +73,12 @@ def drive_overlapped(
     backend: OverlappedBackend,
     on_step: Callable[[StepLog], None] | None = None,
     blocks: BlockPool | None = None,
+    prompts: list[list[int]] | None = None,
 ) -> StepLog:
-    """Serve `trace` with `policy`, one step ahead; `on_step(log)` is called as each step lands."""
-    scheduler, pending = start_run(trace, policy, blocks)
-    state, log = scheduler.state, scheduler.log
+    """Serve `trace` with `policy`, one step ahead; `on_step(log)` is called as each step lands.
+    `prompts`: as `drive`'s."""
+    scheduler, pending, log = start_run(trace, policy, blocks, prompts)
+    state = scheduler.state
     log.overlap = True
     num_unfinished = len(state.by_id)
     in_flight, last_end = None, state.now
@@ -88,25 +93,25 @@ def drive_overlapped(
         elif not launched:
             state.now = idle_until(scheduler, pending)
         in_flight = launched
-    scheduler.release_finished()
-    return log
+    return finish_run(scheduler, log)
 
 
 def _launch(scheduler: Scheduler, pending: Pending, backend: OverlappedBackend) -> _InFlight | None:
-    """Take in the arrivals, schedule the next step and launch it, counted done at once: who
-    emits and who finishes is known before it lands. None if nobody can run now."""
+    """Take in the arrivals, schedule the next step and launch it, counted done at once with
+    placeholders for its tokens: who emits and who finishes is known before it lands. None if
+    nobody can run now."""
     state = scheduler.state
     state.waiting.extend(pending.arrived_by(state.now))
     batch = scheduler.schedule()
     if not batch.size:
         return None
-    handle = backend.launch(state, batch, scheduler.log)
-    return _InFlight(handle, scheduler.postprocess(batch))
+    handle, placeholders = backend.launch(batch)
+    return _InFlight(handle, scheduler.postprocess(batch, placeholders))
 
 
 def _land(in_flight: _InFlight, backend: OverlappedBackend, log: StepLog, last_end: float) -> float:
     """Wait for the step in flight and log it; returns when it ended."""
-    seconds = backend.land(in_flight.launched, log)
+    outcome = backend.land(in_flight.launched)
     start = max(in_flight.record.decided_at, last_end)
-    in_flight.record.log_to(log, start, seconds)
-    return start + seconds
+    in_flight.record.log_to(log, start, outcome)
+    return start + outcome.seconds

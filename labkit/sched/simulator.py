@@ -30,7 +30,8 @@ from labkit.checks import flag, number
 from labkit.sched.cost import CostModel
 from labkit.sched.driver import drive
 from labkit.sched.fastforward import fast_forward as fast_forward_run
-from labkit.sched.state import Batch, SchedulerState
+from labkit.sched.scheduler import StepOutcome
+from labkit.sched.state import Batch
 from labkit.sched.steplog import RunSeconds, StepLog
 from labkit.traffic import Trace
 
@@ -46,8 +47,8 @@ class FixedStepTime:
     def steps_until(self, batch: Batch, max_steps: int, seconds: float) -> int:
         return max(1, min(max_steps, math.ceil(seconds / self.step_time)))
 
-    def execute(self, state: SchedulerState, batch: Batch, log: StepLog, num_steps: int = 1) -> float:
-        return self.step_time
+    def execute(self, batch: Batch, num_steps: int = 1) -> StepOutcome:
+        return StepOutcome(None, self.step_time)
 
 
 @dataclass(frozen=True)
@@ -72,14 +73,14 @@ class ModeledStepTime:
         return 1 + self.cost.decode_run_length(batch.size, after_first, seconds - first, max_steps - 1,
                                                batch.num_padded_rows)
 
-    def execute(self, state: SchedulerState, batch: Batch, log: StepLog, num_steps: int = 1) -> float | RunSeconds:
-        log.record_kv_tokens(batch.work().num_kv_tokens, num_steps, batch.size)
+    def execute(self, batch: Batch, num_steps: int = 1) -> StepOutcome:
+        kv_tokens = (batch.work().num_kv_tokens, num_steps, batch.size)
         first = self._first_step_seconds(batch)
         if num_steps == 1:
-            return first
+            return StepOutcome(None, first, kv_tokens)
         rest = (batch.size, batch.work().num_kv_tokens + batch.size, num_steps - 1, batch.num_padded_rows)  # decodes after the first
         per_step = partial(_prepend, first, partial(self.cost.decode_run_seconds, *rest))
-        return RunSeconds(first + self.cost.decode_run_total(*rest), per_step)
+        return StepOutcome(None, RunSeconds(first + self.cost.decode_run_total(*rest), per_step), kv_tokens)
 
     def _first_step_seconds(self, batch: Batch) -> float:
         return self.cost.step_seconds(*batch.work(), batch.num_rows)

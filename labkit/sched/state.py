@@ -24,8 +24,12 @@ Invariants:
   its head; under a policy with a `queue_order`, it is sorted by that instead;
 - a request's counters change in two places only: `apply` (release, preempt, admit)
   and `complete` (a step done). Nothing else moves them (the fast-forward moves them as
-  that many `complete` calls would), and no number reads a clock. Its `output_len` changes
-  only in `stop`, an online server's early end (an EOS), down to what it has produced.
+  that many `complete` calls would), and no number reads a clock;
+- a request is all there is to know about it: its counters, and, when a back end samples
+  tokens, its `token_ids` (the sequence so far: its first tokens, then each output as
+  `complete` takes it) and its stop rule. Its `output_len` (the most outputs it may have)
+  changes only when that rule ends it early: it sampled one of its `eos_token_ids` after
+  `min_tokens` outputs, and its output length becomes what it has produced.
 
 A policy's `Decision` lives here, beside the state it is applied to: policies import the
 state, and the state imports no policy. Every loop applies decisions through
@@ -69,16 +73,25 @@ class Decision:
 
 
 class Request:
-    """One request's progress. `index` is its position in the trace, `id` its request id.
-    `priority`: lower is served first by policies that read it (as vLLM's `priority`)."""
+    """One request: its progress, and, when a back end samples tokens, its tokens and its stop rule.
+
+    index: its position in the trace (an online server's: in the order requests came);
+    id: its request id. priority: lower is served first by policies that read it (as vLLM's).
+    token_ids: the sequence so far, its first tokens (a begin-of-sequence token and the prompt
+    ids) then its outputs; empty when the back end samples none (the simulator).
+    eos_token_ids, min_tokens: it ends early on sampling one of those ids after `min_tokens`
+    outputs (a back end never lets it sample one before); output_len is its most outputs.
+    """
 
     __slots__ = (
         "index", "id", "arrival", "prompt_len", "output_len", "priority", "num_prompt_tokens", "num_generated",
         "num_computed", "num_uncomputed", "num_preemptions", "admitted_order", "slot", "block_table",
+        "token_ids", "eos_token_ids", "min_tokens", "is_stopped",
     )
 
     def __init__(self, index: int, id: int, arrival: float, prompt_len: int, output_len: int,
-                 num_generated: int = 0, priority: int = 0):
+                 num_generated: int = 0, priority: int = 0, token_ids: list[int] | None = None,
+                 eos_token_ids: tuple[int, ...] = (), min_tokens: int = 0):
         self.index, self.id, self.arrival = index, id, arrival
         self.prompt_len, self.output_len, self.priority = prompt_len, output_len, priority
         self.num_prompt_tokens = 1 + prompt_len  # a begin-of-sequence token, then the prompt
@@ -89,6 +102,9 @@ class Request:
         self.admitted_order = -1  # the how-manieth admission of the run was its latest
         self.slot = -1
         self.block_table: list[int] = []  # ids of the KV blocks it holds, in the order of its tokens
+        self.token_ids = list(token_ids or ())
+        self.eos_token_ids, self.min_tokens = tuple(eos_token_ids), min_tokens
+        self.is_stopped = False  # whether it ended at an end-of-sequence token
 
     def __repr__(self) -> str:
         return (
@@ -105,6 +121,11 @@ class Request:
         return self.num_generated == self.output_len
 
     @property
+    def finish_reason(self) -> str:
+        """"stop" (it sampled an end-of-sequence id), "length" (it has all its outputs), or "" (not finished)."""
+        return "stop" if self.is_stopped else "length" if self.is_finished else ""
+
+    @property
     def is_decoding(self) -> bool:
         """Whether the next step is a plain decode step (one token, the previous output)."""
         return self.num_generated > 0 and self.num_uncomputed == 1
@@ -113,6 +134,17 @@ class Request:
     def max_context_len(self) -> int:
         """The most tokens this request ever holds in the cache: its last output is never fed back."""
         return self.num_prompt_tokens + self.output_len - 1
+
+    @property
+    def output_ids(self) -> list[int]:
+        """The outputs it has sampled (empty when the back end samples none)."""
+        return self.token_ids[self.num_prompt_tokens :]
+
+    def take(self, token: int) -> None:
+        """Append an output it sampled; an end-of-sequence id after `min_tokens` outputs ends it there."""
+        self.token_ids.append(token)
+        if token in self.eos_token_ids and self.num_generated > self.min_tokens:
+            self.output_len, self.is_stopped = self.num_generated, True
 
 
 class SortedQueue:
@@ -221,10 +253,13 @@ class SchedulerState:
 
     queue_order: how the waiting queue is sorted (a policy's `queue_order`); None is first
     come, first served.
+    forgets_released: drop a request from `by_id` once a decision releases it (an online
+    server's state, which would otherwise grow without end); a run of a trace keeps them all.
     """
 
     def __init__(self, num_slots: int, requests: list[Request], blocks: BlockPool | None = None,
-                 queue_order: Callable[[Request], object] | None = None):
+                 queue_order: Callable[[Request], object] | None = None, forgets_released: bool = False):
+        self.forgets_released = forgets_released
         self.num_slots = num_slots
         self.blocks = blocks
         self.now = 0.0
@@ -271,6 +306,8 @@ class SchedulerState:
         """Release, preempt, then admit, as decided; returns the admitted requests."""
         for request_id in decision.release:
             self._free_slot(self._lookup(request_id, "release"), "releases")
+            if self.forgets_released:
+                del self.by_id[request_id]
         for request_id in reversed(decision.preempt):
             self._preempt(self._lookup(request_id, "preempt"))
         admitted = [self._lookup(request_id, "admit") for request_id in decision.admit]
@@ -312,15 +349,6 @@ class SchedulerState:
             self.waiting.remove(request)
         del self.by_id[request_id]
 
-    def stop(self, request_id: int) -> None:
-        """End a running request at the outputs it has (it sampled an end-of-sequence token): its
-        output length becomes what it has produced, so it is finished, and a decision releases its
-        slot and KV blocks as any finished request's."""
-        request = self._lookup(request_id, "stop")
-        if request.slot < 0 or not 0 < request.num_generated < request.output_len:
-            raise ValueError(f"cannot stop request {request_id}: it is not running with an output")
-        request.output_len = request.num_generated
-
     def place(self, request: Request, slot: int) -> None:
         """Seat `request` in free `slot` (admission does this with the lowest free slot)."""
         request.slot = slot
@@ -342,11 +370,13 @@ class SchedulerState:
                 if num_new_blocks := self.num_new_blocks(request, num_tokens):
                     self.blocks.allocate(request.block_table, num_new_blocks)
 
-    def complete(self, batch: Batch) -> list[int]:
+    def complete(self, batch: Batch, tokens: list[int] | None = None) -> list[int]:
         """Count a step of `batch` done: each request processed its tokens, and one that left
-        none uncomputed emitted a token. Returns the trace indices of the requests that finished."""
+        none uncomputed emitted a token: the next of `tokens` (one per emitting row, in row
+        order) when the back end sampled them, taken into the request, which may stop there.
+        Returns the trace indices of the requests that finished."""
         self.num_steps += 1
-        finished = []
+        finished, sampled = [], iter(tokens or ())
         for request, num_tokens in batch.rows:
             request.num_computed += num_tokens
             if num_tokens < request.num_uncomputed:  # a chunk: nothing to emit yet
@@ -354,7 +384,9 @@ class SchedulerState:
                 continue
             request.num_generated += 1
             request.num_uncomputed = 1  # the new token, not yet in the cache
-            if request.num_generated == request.output_len:
+            if tokens is not None:
+                request.take(next(sampled))
+            if request.is_finished:
                 finished.append(request.index)
         return finished
 

@@ -151,7 +151,8 @@ class StepLog(RequestTimes):
             self._arrays.clear()
 
     def count_preemptions(self, step: int, requests) -> None:
-        """Record the preemption of `requests` before `step`, before their cached tokens are dropped."""
+        """Record the preemption of `requests` before `step` (each with its `id`, `index` and the
+        `num_computed` tokens it had cached)."""
         for request in requests:
             self.preempted_at.append((step, request.id))
             self.num_preemptions += 1
@@ -163,18 +164,14 @@ class StepLog(RequestTimes):
         self._prefills.append((step, prefills))
         self._arrays.pop("prefill_tokens", None)
 
-    def record_phases(self, **seconds: float) -> None:
-        """Record where one measured step's time went, e.g. schedule=..., forward=...."""
-        for phase, value in seconds.items():
+    def record_measured(self, measured) -> None:
+        """Record what an engine measured of one step (a `labkit.sched.scheduler.Measured`):
+        where its time went, its host and device seconds, and its lanes' stretches of work."""
+        for phase, value in measured.phases.items():
             self._phases.setdefault(phase, []).append(value)
-
-    def record_host_device(self, host: float, device: float) -> None:
-        """Record one measured step's host and device seconds."""
-        self._host_device.append((host, device))
-
-    def record_lane(self, lane: str, start: float, end: float) -> None:
-        """Record a stretch of "host" or "device" work, in wall-clock seconds since the run began."""
-        self.lanes[lane].append((start, end))
+        self._host_device.append((measured.host, measured.device))
+        for lane, start, end in measured.lanes:
+            self.lanes[lane].append((start, end))
 
     def record_kv_tokens(self, first: int, count: int = 1, growth: int = 0) -> None:
         """Record the KV tokens attention reads in the next `count` steps: `first` in the
