@@ -388,24 +388,36 @@ def _count_streamed(url: str, max_tokens: int) -> int:
     lk.Continuous(num_slots=2, num_blocks=12, block_size=4, victim="longest"),  # preempts
 ], ids=repr)
 def test_every_policy_serves_online_with_engine_run_tokens(policy):
-    from labkit.serve.online import Client, OnlineEngine
+    from labkit.serve.online import OnlineEngine
 
     engine = Engine(TINY, device="cpu", seed=0, threads=1)
     trace = lk.Trace.from_lengths([5, 1, 9, 3, 7, 2], prompt_lengths=[3, 0, 12, 1, 20, 6])
     reference = engine.run(trace, lk.Continuous(num_slots=3), progress=False)
     online = OnlineEngine(engine, policy)
     online.start_thread()
-    received, finished = {}, threading.Semaphore(0)
-    try:
+
+    async def served() -> dict[int, list]:
+        streams = {}
         for rid, prompt_len, length in zip(trace.ids, trace.prompt_lengths, trace.output_lengths):
-            received[int(rid)] = []
             prompt = engine.prompt_ids(int(rid), int(prompt_len))  # its begin-of-sequence token first, as given
-            online.submit(prompt, int(length), Client(received[int(rid)].append, lambda reason: finished.release()))
-        assert all(finished.acquire(timeout=20) for _ in trace.ids)
-        assert received == reference.outputs
+            request_id, streams[int(rid)] = online.submit(prompt, int(length))
+            assert request_id == len(streams) - 1  # ids in the order requests came
+        return {rid: await asyncio.wait_for(read_stream_items(stream), 20) for rid, stream in streams.items()}
+
+    try:
+        received = asyncio.run(served())
+        assert received == {rid: [*tokens, "length"] for rid, tokens in reference.outputs.items()}
         assert wait_until(lambda: online.blocks.num_free_blocks == online.blocks.num_blocks)
     finally:
         online.stop()
+
+
+async def read_stream_items(stream) -> list:
+    """Every item a request's stream brings: its tokens, then its finish reason."""
+    items = [await stream.get()]
+    while not isinstance(items[-1], str):
+        items.append(await stream.get())
+    return items
 
 
 # Policies that admit out of arrival order, and the `priority` field
@@ -472,7 +484,7 @@ class StepGate:
 
     def __init__(self, online):
         self.held, self.go, self.steps = threading.Event(), threading.Event(), []
-        run = online.steps.run
+        run = online.runner.run
 
         def gated(batch):
             self.held.set()
@@ -480,7 +492,7 @@ class StepGate:
             self.steps.append([request.id for request, _ in batch.rows])
             return run(batch)
 
-        online.steps.run = gated
+        online.runner.run = gated
 
     def first_step_order(self) -> list[int]:
         """Request ids in the order of the first step each worked in."""
@@ -537,22 +549,22 @@ def test_first_come_first_served_ignores_the_priority_field():
 
 
 def test_submit_refuses_a_priority_that_is_not_a_whole_number():
-    from labkit.serve.online import Client, OnlineEngine
+    from labkit.serve.online import OnlineEngine
 
     online = OnlineEngine(Engine(TINY, device="cpu", seed=0, threads=1), lk.Priority(num_slots=1))
     for bad in (1.5, "1", True, None):
         with pytest.raises(ValueError, match=f"^priority = {re.escape(repr(bad))}: must be a whole number"):
-            online.submit([5], 2, Client(lambda token: None, lambda reason: None), priority=bad)
-    assert not online.state.by_id and not online.steps.prompts  # nothing was queued
+            online.submit([5], 2, priority=bad)
+    assert not online.state.by_id and not online.num_in_flight()  # nothing was queued
 
 
 def test_a_replay_sends_each_request_its_trace_priority(served, monkeypatch):
     submitted = {}  # max_tokens -> priority, as the server's engine received them
     submit = served.online.submit
 
-    def recording(prompt_ids, max_tokens, client, priority=0, **eos_rule):
+    def recording(prompt_ids, max_tokens, priority=0, **eos_rule):
         submitted[max_tokens] = priority
-        return submit(prompt_ids, max_tokens, client, priority, **eos_rule)
+        return submit(prompt_ids, max_tokens, priority, **eos_rule)
 
     monkeypatch.setattr(served.online, "submit", recording)
     trace = lk.Trace.from_lengths([3, 2, 4], prompt_lengths=[2, 3, 1]).with_priorities([0, 2, -1])

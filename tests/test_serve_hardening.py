@@ -59,13 +59,13 @@ def assert_error(answer: httpx.Response, status: int, kind: str, message: str, p
 
 def slow_steps(server: Served, monkeypatch, seconds: float) -> None:
     """Each of the server's steps takes at least `seconds`, so a request lasts long enough to leave."""
-    run = server.online.steps.run
+    run = server.online.runner.run
 
     def slow(batch):
         time.sleep(seconds)
         return run(batch)
 
-    monkeypatch.setattr(server.online.steps, "run", slow)
+    monkeypatch.setattr(server.online.runner, "run", slow)
 
 
 def generated(server: Served) -> float:
@@ -407,7 +407,7 @@ def test_when_the_engine_dies_health_fails_and_requests_end_with_an_error(monkey
         def broken(batch):
             raise RuntimeError("boom")
 
-        monkeypatch.setattr(server.online.steps, "run", broken)
+        monkeypatch.setattr(server.online.runner, "run", broken)
         payload = {"model": MODEL, "prompt": [5], "max_tokens": 5, "stream": True}
         with httpx.stream("POST", f"{server.url}/v1/completions", json=payload, timeout=10) as answer:
             lines = read_stream(answer)

@@ -57,10 +57,9 @@ from starlette.exceptions import HTTPException
 from labkit.serve import tokenizer as byte_tokenizer
 from labkit.serve.guards import SHOWN_CHARACTERS, RequestGuard, error, error_body, shown
 from labkit.serve.limits import Limits
-from labkit.serve.online import Client, OnlineEngine, Unavailable
+from labkit.serve.online import OnlineEngine, Stream, Unavailable
 from labkit.serve.tokenizer import TextStream
 
-FINISHED = object()  # the end of a request's token queue
 
 
 # Finish reasons of a request the engine could not finish, and what its client is told
@@ -226,14 +225,14 @@ def make_app(online: OnlineEngine, model_name: str, tokenizer=byte_tokenizer, li
         prompt = tokenizer.prompt_ids(body.prompt) if isinstance(body.prompt, str) else body.prompt
         if body.min_tokens > body.max_tokens:
             return error(f"min_tokens = {body.min_tokens} exceeds max_tokens = {body.max_tokens}", param="min_tokens")
-        completion = Completion(model_name, len(prompt), tokenizer)
         try:
-            completion.request_id = online.submit(prompt, body.max_tokens, completion.client(), body.priority,
-                                                  ignore_eos=body.ignore_eos, min_tokens=body.min_tokens)
+            request_id, stream = online.submit(prompt, body.max_tokens, body.priority, ignore_eos=body.ignore_eos,
+                                               min_tokens=body.min_tokens)
         except Unavailable as problem:
             return error(str(problem), 503)
         except ValueError as problem:
             return error(str(problem))
+        completion = Completion(model_name, len(prompt), tokenizer, request_id, stream)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         if body.stream:
             return StreamingResponse(completion.events(online, include_usage), media_type="text/event-stream")
@@ -245,32 +244,21 @@ def make_app(online: OnlineEngine, model_name: str, tokenizer=byte_tokenizer, li
 class Completion:
     """One request's tokens, from the engine's thread to the client's stream or answer."""
 
-    def __init__(self, model_name: str, num_prompt_tokens: int, tokenizer):
+    def __init__(self, model_name: str, num_prompt_tokens: int, tokenizer, request_id: int, stream: Stream):
         self.id = f"cmpl-{uuid.uuid4().hex}"
         self.tokenizer = tokenizer
         self.created = int(time.time())
         self.model_name, self.num_prompt_tokens = model_name, num_prompt_tokens
-        self.request_id = -1
+        self.request_id, self.stream = request_id, stream
         self.tokens: list[int] = []
         self.finish_reason: str | None = None
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.loop = asyncio.get_running_loop()
-
-    def client(self) -> Client:
-        """Callbacks for the engine's thread: each hands its item to this request's queue."""
-        put = self.queue.put_nowait
-        return Client(on_token=lambda token: self.loop.call_soon_threadsafe(put, token),
-                      on_finish=lambda reason: self.loop.call_soon_threadsafe(put, (FINISHED, reason)))
 
     async def next_tokens(self):
-        """Yield tokens as they come, until the request finishes."""
-        while True:
-            item = await self.queue.get()
-            if isinstance(item, tuple) and item[0] is FINISHED:
-                self.finish_reason = item[1]
-                return
+        """Yield tokens as they come on the engine's stream, until the request finishes."""
+        while isinstance(item := await self.stream.get(), int):
             self.tokens.append(item)
             yield item
+        self.finish_reason = item
 
     async def events(self, online: OnlineEngine, include_usage: bool):
         """Server-sent events: a chunk per token, the usage if asked, then [DONE]. A client that
