@@ -26,7 +26,7 @@ from labkit.args import (MEAN_OUTPUT, MEAN_PROMPT, positive_number, recorded_tra
 from labkit.engine import Engine, ModelConfig
 from labkit.engine.attention import ATTENTION_LAYOUTS
 from labkit.engine.device import default_threads
-from labkit.engine.runner import DTYPES
+from labkit.engine.engine import DTYPES
 from labkit.serve.replay_cli import add_replay_parser, replay_command
 from labkit.serve.server import add_serve_parser
 

@@ -66,7 +66,7 @@ def engine_greedy(model: TinyGPT, prompts: list[list[int]], num_out: int, cuda_g
     """The engine's tokens, the prompts batched by continuous batching over a paged cache."""
     trace = lk.Trace.from_lengths([num_out] * len(prompts), prompt_tokens=[np.array(p) for p in prompts])
     engine = Engine(model=model, device="cpu", threads=1)
-    engine.cuda_graphs = cuda_graphs  # on the CPU: with runner.DecodeGraphs patched to the stand-in capture
+    engine.cuda_graphs = cuda_graphs  # on the CPU: with engine.DecodeGraphs patched to the stand-in capture
     log = engine.run(trace, lk.Continuous(num_slots=3, block_size=BLOCK_SIZE), progress=False)
     return [log.outputs[int(request_id)] for request_id in trace.ids]
 

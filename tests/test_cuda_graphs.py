@@ -63,7 +63,7 @@ def compare(model, capture, sizes, device="cpu"):
 def record_graph_replays(monkeypatch) -> list[int]:
     """Have the engine's decode graphs capture on the CPU's stand-in and note each replay's
     batch size in the list returned."""
-    from labkit.engine import runner
+    from labkit.engine import engine as engine_module
 
     replays = []
 
@@ -72,7 +72,7 @@ def record_graph_replays(monkeypatch) -> list[int]:
             replays.append(batch.num_requests)
             return super().__call__(batch)
 
-    monkeypatch.setattr(runner, "DecodeGraphs", lambda model, cache: Recorded(model, cache, capture=eager_capture))
+    monkeypatch.setattr(engine_module, "DecodeGraphs", lambda model, cache: Recorded(model, cache, capture=eager_capture))
     return replays
 
 

@@ -11,7 +11,7 @@ import torch
 import labkit as lk
 from labkit.engine import Engine, ModelConfig
 from labkit.engine.attention import ATTENTION_LAYOUTS
-from labkit.engine.runner import sequence_lengths
+from labkit.engine.engine import sequence_lengths
 from labkit.sched.driver import drive
 from labkit.sched.scheduler import StepOutcome, kv_pool
 

@@ -33,7 +33,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 import labkit as lk
 from labkit.sched import Decision, Request, SchedulerState
 from labkit.sched.blocks import BlockPool
-from labkit.sched.scheduler import StepRecord
+from labkit.sched.scheduler import StepOutcome, StepRecord
 from labkit.sched.steplog import StepLog
 
 CAPACITY = 64  # most requests one run may add: the StepLog's per-request arrays are this long
@@ -122,9 +122,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert 1 <= num_tokens <= request.num_uncomputed, (request, num_tokens)
         self.last_step_tokens = {r.id: n for r, n in scheduled}
         self.state.allocate(batch)
-        record = StepRecord.of(self.state, batch, decision.blocked)
+        record = StepRecord.of(self.state, batch, decision.blocked, [], [])
         record.finished = self.state.complete(batch)
-        record.log_to(self.log, self.state.now, 1.0)  # requests arrive by rule, not from the trace
+        record.log_to(self.log, self.state.now, StepOutcome(None, 1.0))  # requests arrive by rule, not from the trace
         self.state.now += 1.0
         return True
 

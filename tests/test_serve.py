@@ -381,45 +381,6 @@ def _count_streamed(url: str, max_tokens: int) -> int:
     return tokens
 
 
-@pytest.mark.parametrize("policy", [
-    lk.Static(num_slots=2),
-    lk.Static(num_slots=3, num_blocks=20, block_size=4),
-    lk.Dynamic(num_slots=4, timeout=0.05),
-    lk.Continuous(num_slots=2, num_blocks=12, block_size=4, victim="longest"),  # preempts
-], ids=repr)
-def test_every_policy_serves_online_with_engine_run_tokens(policy):
-    from labkit.serve.online import OnlineEngine
-
-    engine = Engine(TINY, device="cpu", seed=0, threads=1)
-    trace = lk.Trace.from_lengths([5, 1, 9, 3, 7, 2], prompt_lengths=[3, 0, 12, 1, 20, 6])
-    reference = engine.run(trace, lk.Continuous(num_slots=3), progress=False)
-    online = OnlineEngine(engine, policy)
-    online.start_thread()
-
-    async def served() -> dict[int, list]:
-        streams = {}
-        for rid, prompt_len, length in zip(trace.ids, trace.prompt_lengths, trace.output_lengths):
-            prompt = engine.prompt_ids(int(rid), int(prompt_len))  # its begin-of-sequence token first, as given
-            request_id, streams[int(rid)] = online.submit(prompt, int(length))
-            assert request_id == len(streams) - 1  # ids in the order requests came
-        return {rid: await asyncio.wait_for(read_stream_items(stream), 20) for rid, stream in streams.items()}
-
-    try:
-        received = asyncio.run(served())
-        assert received == {rid: [*tokens, "length"] for rid, tokens in reference.outputs.items()}
-        assert wait_until(lambda: online.blocks.num_free_blocks == online.blocks.num_blocks)
-    finally:
-        online.stop()
-
-
-async def read_stream_items(stream) -> list:
-    """Every item a request's stream brings: its tokens, then its finish reason."""
-    items = [await stream.get()]
-    while not isinstance(items[-1], str):
-        items.append(await stream.get())
-    return items
-
-
 # Policies that admit out of arrival order, and the `priority` field
 
 
@@ -546,16 +507,6 @@ def test_first_come_first_served_ignores_the_priority_field():
     order, received, expected = serve_in_one_slot("continuous")
     assert order == [0, 1, 2]
     assert received == expected
-
-
-def test_submit_refuses_a_priority_that_is_not_a_whole_number():
-    from labkit.serve.online import OnlineEngine
-
-    online = OnlineEngine(Engine(TINY, device="cpu", seed=0, threads=1), lk.Priority(num_slots=1))
-    for bad in (1.5, "1", True, None):
-        with pytest.raises(ValueError, match=f"^priority = {re.escape(repr(bad))}: must be a whole number"):
-            online.submit([5], 2, priority=bad)
-    assert not online.state.by_id and not online.num_in_flight()  # nothing was queued
 
 
 def test_a_replay_sends_each_request_its_trace_priority(served, monkeypatch):

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import labkit as lk
 from labkit.engine import Engine, ModelConfig
-from labkit.engine.runner import sequence_lengths
+from labkit.engine.engine import sequence_lengths
 from labkit.engine.steps import StepTimer, TimedSteps
 from labkit.sched.driver import drive
 from labkit.sched.scheduler import kv_pool

@@ -6,7 +6,7 @@ from labkit.engine.device import available_devices, resolve_device
 from labkit.engine.kv import PagedKVCache
 from labkit.engine.model import StepBatch, TinyGPT
 from labkit.engine.model_runner import ModelRunner
-from labkit.engine.runner import Engine
+from labkit.engine.engine import Engine
 
 __all__ = [
     "Engine",

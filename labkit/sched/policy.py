@@ -54,6 +54,7 @@ from labkit.sched.state import Decision, Request, SchedulerState
 NO_SLOT = "no_slot"
 NO_BLOCKS = "no_blocks"
 NO_BUDGET = "no_budget"
+ANY_SHAPE = ExecutionShape()  # the shape of a policy that names none: any batch
 NO_SHAPE = "no_shape"  # admitting the head would run the decode batch at a size mostly padded
 BATCH_FORMING = "batch_forming"
 VICTIMS = ("newest", "longest")
@@ -81,7 +82,7 @@ def check_policy(policy) -> None:
 def shape_of(policy) -> ExecutionShape:
     """The batches `policy` says the engine runs: its `shape`, or any batch for a policy that
     names none (one written by hand, such as lesson 07's refill step)."""
-    return getattr(policy, "shape", ExecutionShape())
+    return getattr(policy, "shape", ANY_SHAPE)
 
 
 def _ids(requests) -> tuple[int, ...]:

@@ -45,7 +45,7 @@ import torch
 
 from labkit.checks import whole_number
 from labkit.engine.device import torch_threads
-from labkit.engine.runner import Engine
+from labkit.engine.engine import Engine
 from labkit.sched import Decision, Request
 from labkit.sched.policy import check_policy
 from labkit.sched.scheduler import Scheduler, StepRecord, kv_pool
@@ -71,8 +71,10 @@ class Stream:
         self.last_sent_at: float | None = None
 
     def put(self, item: int | str) -> None:
-        """From the engine's thread: queue `item` for the reader."""
-        self.loop.call_soon_threadsafe(self.items.put_nowait, item)
+        """From the engine's thread: queue `item` for the reader (dropped if the reader's event
+        loop has closed: nobody is left to read it)."""
+        if not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self.items.put_nowait, item)
 
     async def get(self) -> int | str:
         return await self.items.get()
@@ -119,9 +121,9 @@ class OnlineEngine:
         A ValueError names what is wrong with it; `Unavailable` says why none can be taken now."""
         self._check(prompt_ids, max_tokens, priority)
         self._check_eos_rule(ignore_eos, min_tokens, max_tokens)
-        stream = Stream()
         with self._wake:
             self._check_available()
+            stream = Stream()
             request_id = self._next_id
             self._next_id += 1
             # the ids are the whole sequence so far, used as given (as vLLM does): the first plays

@@ -1,0 +1,163 @@
+"""The online engine in one process, without HTTP: the same three calls as `drive`, requests
+that arrive while it runs, their stop rule, aborts, failures and shutdown. (tests/test_serve.py
+drives it through the HTTP API, in a server of its own.)"""
+
+import asyncio
+import re
+
+import pytest
+
+import labkit as lk
+from labkit.engine import Engine, ModelConfig
+from labkit.serve.metrics import ServerMetrics
+from labkit.serve.online import OnlineEngine, Unavailable
+
+TINY = ModelConfig(vocab_size=300, d_model=32, n_layers=2, n_heads=2, d_ff=64, max_seq_len=128)
+ENGINE = Engine(TINY, device="cpu", seed=0, threads=1)
+TRACE = lk.Trace.from_lengths([5, 1, 9, 3, 7, 2], prompt_lengths=[3, 0, 12, 1, 20, 6])
+PROMPTS = [ENGINE.prompt_ids(int(rid), int(n)) for rid, n in zip(TRACE.ids, TRACE.prompt_lengths)]  # BOS first
+REFERENCE = ENGINE.run(TRACE, lk.Continuous(num_slots=3), progress=False).outputs
+
+
+def started(policy=lk.Continuous(num_slots=2), **options) -> OnlineEngine:
+    online = OnlineEngine(ENGINE, policy, **options)
+    online.start_thread()
+    return online
+
+
+def serve(online: OnlineEngine, requests: list[tuple[list[int], int, dict]]) -> list[list]:
+    """Submit each (prompt ids, max_tokens, options) at once; every item each stream brings:
+    its tokens, then its finish reason."""
+
+    async def all_streams():
+        streams = [online.submit(prompt, max_tokens, **options)[1] for prompt, max_tokens, options in requests]
+        return [await asyncio.wait_for(read_items(stream), 20) for stream in streams]
+
+    return asyncio.run(all_streams())
+
+
+async def read_items(stream) -> list:
+    items = [await stream.get()]
+    while not isinstance(items[-1], str):
+        items.append(await stream.get())
+    return items
+
+
+def pool_is_full(online: OnlineEngine) -> bool:
+    return online.blocks.num_free_blocks == online.blocks.num_blocks
+
+
+@pytest.mark.parametrize("policy", [
+    lk.Static(num_slots=2),
+    lk.Static(num_slots=3, num_blocks=20, block_size=4),
+    lk.Dynamic(num_slots=4, timeout=0.05),
+    lk.Continuous(num_slots=2, num_blocks=12, block_size=4, victim="longest"),  # preempts
+], ids=repr)
+def test_every_policy_serves_online_with_engine_run_tokens(policy):
+    online = started(policy)
+    try:
+        items = serve(online, [(prompt, int(n), {}) for prompt, n in zip(PROMPTS, TRACE.output_lengths)])
+    finally:
+        online.stop()
+    assert items == [[*REFERENCE[int(rid)], "length"] for rid in TRACE.ids]
+    assert pool_is_full(online) and not online.state.by_id  # released requests are forgotten
+
+
+def test_an_eos_ends_a_request_there_and_frees_its_slot():
+    """Request 2's greedy outputs, with its fourth output as the model's EOS id: it stops at
+    the first time it samples that id, which is its last token; `ignore_eos` runs it to the end."""
+    outputs = REFERENCE[2]
+    eos = outputs[3]
+    first = outputs.index(eos)
+    online = started(eos_token_ids=(eos,))
+    try:
+        stopped, ignored = serve(online, [(PROMPTS[2], 9, {}), (PROMPTS[2], 9, {"ignore_eos": True})])
+    finally:
+        online.stop()
+    assert stopped == [*outputs[: first + 1], "stop"]
+    assert ignored == [*outputs, "length"]  # the control
+    assert pool_is_full(online)
+
+
+def test_min_tokens_masks_the_eos_until_then():
+    """With min_tokens past the EOS's first place, that place samples the next best id instead,
+    so the outputs differ from there on: the mask is applied, not just the stop rule delayed."""
+    outputs = REFERENCE[2]
+    eos = outputs[0]
+    online = started(eos_token_ids=(eos,))
+    try:
+        (masked,) = serve(online, [(PROMPTS[2], 9, {"min_tokens": 2})])
+    finally:
+        online.stop()
+    assert masked[0] != eos and masked[1] != eos  # never sampled before 2 outputs
+    assert masked[-1] in ("stop", "length") and len(masked) >= 3
+
+
+def test_an_abort_frees_the_slot_and_ends_the_stream():
+    online = started(lk.Continuous(num_slots=1))
+
+    async def abort_the_first():
+        request_id, stream = online.submit(PROMPTS[0], 100)
+        _, waiting = online.submit(PROMPTS[4], 3)
+        first = await asyncio.wait_for(stream.get(), 20)
+        online.abort(request_id)
+        return first, await asyncio.wait_for(read_items(stream), 20), await asyncio.wait_for(read_items(waiting), 20)
+
+    try:
+        first, rest, waiting = asyncio.run(abort_the_first())
+    finally:
+        online.stop()
+    assert isinstance(first, int) and rest[-1] == "abort" and len(rest) < 100
+    assert waiting == [*REFERENCE[4][:3], "length"]  # greedy: the first 3 of its 7 outputs
+    assert pool_is_full(online) and not online.state.by_id
+
+
+def test_stop_aborts_what_is_in_flight_and_counts_it():
+    online = started(lk.Continuous(num_slots=1))
+
+    async def stop_with_two_in_flight():
+        running, waiting = online.submit(PROMPTS[0], 100)[1], online.submit(PROMPTS[4], 100)[1]
+        assert isinstance(await asyncio.wait_for(running.get(), 20), int)
+        num_aborted = await asyncio.to_thread(online.stop)
+        with pytest.raises(Unavailable, match="shutting down"):
+            online.submit(PROMPTS[0], 1)
+        return num_aborted, (await read_items(running))[-1], await read_items(waiting)
+
+    assert asyncio.run(stop_with_two_in_flight()) == (2, "abort", ["abort"])
+    assert online.stop() == 2 and pool_is_full(online)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the thread re-raises
+def test_a_step_that_raises_ends_every_request_with_an_error(monkeypatch):
+    online = OnlineEngine(ENGINE, lk.Continuous(num_slots=2))
+
+    def broken(batch):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(online.runner, "run", broken)
+    online.start_thread()
+    (items,) = serve(online, [(PROMPTS[0], 4, {})])
+    assert items == ["error"] and isinstance(online.failure, RuntimeError)
+    with pytest.raises(Unavailable, match=re.escape("the engine stopped after an error (RuntimeError)")):
+        online.submit(PROMPTS[0], 1)
+
+
+def test_metrics_count_the_prompt_and_every_token_sent():
+    metrics = ServerMetrics("tiny")
+    online = started(metrics=metrics)
+    try:
+        items = serve(online, [(PROMPTS[0], 5, {}), (PROMPTS[4], 7, {})])
+    finally:
+        online.stop()
+    assert [len(stream) - 1 for stream in items] == [5, 7]
+    assert metrics.generation_tokens._value.get() == 12
+    assert metrics.prompt_tokens._value.get() == len(PROMPTS[0]) + len(PROMPTS[4])
+    assert metrics.ttft._sum.get() > 0 and metrics.itl._sum.get() > 0
+
+
+def test_submit_refuses_a_priority_that_is_not_a_whole_number():
+    online = OnlineEngine(ENGINE, lk.Priority(num_slots=1))
+    for bad in (1.5, "1", True, None):
+        with pytest.raises(ValueError, match=f"^priority = {re.escape(repr(bad))}: must be a whole number"):
+            online.submit([5], 2, priority=bad)
+    assert not online.state.by_id and not online.num_in_flight()  # nothing was queued
