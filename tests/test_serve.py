@@ -523,3 +523,45 @@ def test_a_replay_sends_each_request_its_trace_priority(served, monkeypatch):
     assert not log.failures
     assert submitted == {3: 0, 2: 2, 4: -1}
     assert log.outputs == served.engine.run(trace, lk.Continuous(num_slots=4), progress=False).outputs
+
+
+# One streamed request's path
+
+def test_a_streamed_request_crosses_four_modules_and_the_engine_calls_none_of_the_server():
+    """Every labkit function that runs while one request streams, by thread: the engine's thread
+    runs only the engine and the scheduler (and `online`'s loop), never the HTTP side (no
+    callback into the server); the HTTP side hands the request through guards, api and online,
+    and it becomes a `Request` (sched/state.py): four modules hand it on. On the way it is
+    checked (its numbers, and `policy.check_fits` with the policy's shape and block size) and
+    its tokens become text (the tokenizer). The step it joins is the decision path, counted in
+    DESIGN.md."""
+    modules: dict[str, set[str]] = {}
+    recording = threading.Event()
+
+    def profile(frame, event, arg):
+        module = frame.f_globals.get("__name__", "")
+        if recording.is_set() and event == "call" and module.startswith("labkit"):
+            side = "engine" if threading.current_thread().name == "labkit-engine" else "http"
+            modules.setdefault(side, set()).add(module)
+
+    threading.setprofile(profile)  # threads started from here on: the server's and the engine's
+    try:
+        server = Served()
+    finally:
+        threading.setprofile(None)
+    try:
+        payload = {"model": MODEL, "prompt": [0, 5, 6], "max_tokens": 4, "stream": True}
+        httpx.post(f"{server.url}/v1/completions", json=payload, timeout=30).raise_for_status()  # warm up
+        recording.set()
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=payload, timeout=30) as answer:
+            events = [line for line in answer.iter_lines() if line.startswith("data: ")]
+        assert len(events) == 4 + 2  # four tokens, the finish, [DONE]
+        recording.clear()
+    finally:
+        server.stop()
+    hops = {"labkit.serve.guards", "labkit.serve.api", "labkit.serve.online", "labkit.sched.state"}
+    checks = {"labkit.checks", "labkit.sched.policy", "labkit.sched.shape", "labkit.sched.blocks"}  # check_fits
+    assert modules["http"] == hops | checks | {"labkit.serve.tokenizer"}
+    engine_side = {module.rsplit(".", 1)[0] for module in modules["engine"]} - {"labkit.serve"}
+    assert engine_side == {"labkit.sched", "labkit.engine"}
+    assert modules["engine"] & {"labkit.serve.api", "labkit.serve.guards", "labkit.serve.tokenizer"} == set()
