@@ -48,14 +48,8 @@ class Backend(Protocol):
         (its KV blocks are allocated already): the tokens it sampled and the seconds it took."""
 
 
-def drive(
-    trace: Trace,
-    policy,
-    backend: Backend,
-    on_step: Callable[[StepLog], None] | None = None,
-    blocks: BlockPool | None = None,
-    prompts: list[list[int]] | None = None,
-) -> StepLog:
+def drive(trace: Trace, policy, backend: Backend, on_step: Callable[[StepLog], None] | None = None,
+          blocks: BlockPool | None = None, prompts: list[list[int]] | None = None) -> StepLog:
     """Serve `trace` with `policy` on `backend`; `on_step(log)` is called after every step if given.
 
     blocks: the KV pool; by default the policy's (`kv_pool`), or none when that is unlimited.
