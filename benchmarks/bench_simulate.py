@@ -63,7 +63,7 @@ def seconds_in_fresh_process(name: str, labkit_dir: Path) -> float:
 
 def report(name: str, seconds: float, log: lk.StepLog) -> str:
     return (f"{name:26} {seconds:6.3f} s  {len(log.trace) / seconds:8,.0f} requests/s  "
-            f"{log.num_tokens / seconds / 1e6:5.1f} M tokens/s  ({log.num_steps:,} steps in {log.num_runs:,} runs, "
+            f"{log.num_output_tokens / seconds / 1e6:5.1f} M tokens/s  ({log.num_steps:,} steps in {log.num_runs:,} runs, "
             f"{log.num_preemptions:,} preemptions, utilization {log.utilization:.1%})")
 
 

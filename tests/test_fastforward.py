@@ -71,7 +71,7 @@ def test_with_every_knob_the_fast_forward_equals_the_plain_loop(trace, policy, t
     assert_same_log(jumped, stepped)
     if policy.num_blocks is not None:
         assert jumped.num_blocks_used.max() <= policy.num_blocks
-    assert jumped.num_tokens == trace.output_lengths.sum() and (jumped.finish_step >= 0).all()
+    assert jumped.num_output_tokens == trace.output_lengths.sum() and (jumped.finish_step >= 0).all()
     # every prompt once, every output but the last fed back once, and the thrown-away cache again
     # (rows that pad a decode step to the engine's shape are work, but feed no request's token)
     processed = jumped.num_prefill_tokens + jumped.num_decode_tokens - jumped.num_shape_padded_rows

@@ -227,8 +227,8 @@ def test_a_baseline_log_without_steps_is_accepted():
     """transformers' log need not count steps: it is taken to run the static schedule."""
     def timed(trace, policy):
         log = lk.simulate(trace, policy)
-        return SimpleNamespace(duration=2 * log.duration, num_tokens=log.num_tokens,
-                               tokens_per_second=log.num_tokens / (2 * log.duration))
+        return SimpleNamespace(duration=2 * log.duration, num_output_tokens=log.num_output_tokens,
+                               tokens_per_second=log.num_output_tokens / (2 * log.duration))
 
     m = take_apart(TOY, TOY_MEMORY, lk.simulate, {"hf": timed})
     assert math.isclose(m.factor("implementation"), 2, rel_tol=1e-12)

@@ -58,7 +58,7 @@ def test_generate_gives_the_engines_tokens(log, engine):
 def test_every_request_gets_exactly_its_output_length(log):
     assert [len(log.outputs[int(rid)]) for rid in TRACE.ids] == TRACE.output_lengths.tolist()
     assert [len(t) for t in log.tokens_at] == TRACE.output_lengths.tolist()
-    assert log.num_tokens == int(TRACE.output_lengths.sum())
+    assert log.num_output_tokens == int(TRACE.output_lengths.sum())
 
 
 def test_times_are_finite_positive_and_grouped_by_request(log):
@@ -67,7 +67,7 @@ def test_times_are_finite_positive_and_grouped_by_request(log):
     assert (log.latency >= log.ttft).all()
     assert np.isfinite(log.duration) and log.duration > 0
     assert log.duration == log.latency.max()
-    assert log.tokens_per_second == log.num_tokens / log.duration
+    assert log.tokens_per_second == log.num_output_tokens / log.duration
     ids, times = log.token_times()
     assert ids.tolist() == np.repeat(TRACE.ids, TRACE.output_lengths).tolist()
     for rid in TRACE.ids:

@@ -255,7 +255,7 @@ def test_requests_are_sent_at_their_scaled_arrivals_and_never_before(stand_in):
 def test_requests_replays_only_the_first_requests(stand_in):
     trace = lk.Trace.from_lengths([2, 3, 4, 5, 6])
     log = replay(trace, url=stand_in.url, model=MODEL, requests=2, progress=False)
-    assert log.trace.ids.tolist() == [0, 1] and log.num_tokens == 5
+    assert log.trace.ids.tolist() == [0, 1] and log.num_output_tokens == 5
     assert sorted(body["max_tokens"] for _, body in stand_in.behaviour.received) == [2, 3]
 
 
@@ -294,7 +294,7 @@ def test_chunks_without_token_ids_count_one_token_each(stand_in):
     stand_in.behaviour.text_only = True
     log = replay(lk.Trace.from_lengths([3, 2]), url=stand_in.url, model=MODEL, progress=False)
     assert log.failures == [] and log.outputs == {}
-    assert [len(t) for t in log.tokens_at] == [3, 2] and log.num_tokens == 5
+    assert [len(t) for t in log.tokens_at] == [3, 2] and log.num_output_tokens == 5
 
 
 # Concurrency and scraping ------------------------------------------------------------------------
@@ -367,7 +367,7 @@ def test_an_error_answer_fails_its_request_and_the_others_finish(stand_in):
     [(request, message)] = log.failures
     assert request == 1
     assert message == f"{stand_in.url}: request 1: HTTP 500: stand-in failure"
-    assert log.is_finished.tolist() == [True, False, True] and log.num_tokens == 7
+    assert log.is_finished.tolist() == [True, False, True] and log.num_output_tokens == 7
     assert np.isnan(log.ttft[1]) and not np.isnan(log.ttft[[0, 2]]).any()
     row = metrics.summary(log)
     assert row["failed requests"] == 1 and row["tokens"] == 7
@@ -381,7 +381,7 @@ def test_a_stream_dropped_midway_fails_with_what_it_had_received(stand_in):
     [(request, message)] = log.failures
     assert request == 1 and message.startswith(f"{stand_in.url}: request 1: the stream broke after 2 of 7 tokens (")
     assert log.outputs[1] == [0, 1] and len(log.tokens_at[1]) == 2  # kept, but counted nowhere
-    assert log.num_tokens == 7 and metrics.token_times(log)[0].tolist() == [0, 0, 0, 2, 2, 2, 2]
+    assert log.num_output_tokens == 7 and metrics.token_times(log)[0].tolist() == [0, 0, 0, 2, 2, 2, 2]
 
 
 def test_a_short_answer_fails(stand_in):
@@ -400,7 +400,7 @@ def test_a_stream_that_ends_without_done_or_a_finish_reason_fails(stand_in):
 def test_a_stream_that_gave_its_finish_reason_finishes_without_done_as_transformers_serve_s(stand_in):
     stand_in.behaviour.no_done = {3}
     log = replay(lk.Trace.from_lengths([2, 3]), url=stand_in.url, model=MODEL, progress=False)
-    assert log.failures == [] and log.outputs == {0: [0, 1], 1: [0, 1, 2]} and log.num_tokens == 5
+    assert log.failures == [] and log.outputs == {0: [0, 1], 1: [0, 1, 2]} and log.num_output_tokens == 5
 
 
 def test_a_stalled_stream_fails_after_the_read_timeout(stand_in):
@@ -441,7 +441,7 @@ def test_an_unreachable_server_fails_every_request_fast():
     assert [request for request, _ in log.failures] == [0, 1, 2]
     assert log.failures[0][1].startswith(f"{url}: request 0: cannot connect (ConnectError")
     assert log.failures[1][1] == f"{url}: request 1: not sent: an earlier request could not connect"
-    assert log.num_tokens == 0 and log.tokens_per_second == 0.0 and np.isnan(log.sent_at[1:]).all()
+    assert log.num_output_tokens == 0 and log.tokens_per_second == 0.0 and np.isnan(log.sent_at[1:]).all()
     assert metrics.summary(log)["failed requests"] == 3
 
 
@@ -455,7 +455,7 @@ def test_ctrl_c_stops_the_replay_and_keeps_what_was_measured(stand_in):
     assert time.perf_counter() - start < 1.5
     assert log.failures == [(1, f"{stand_in.url}: request 1: interrupted"),
                             (2, f"{stand_in.url}: request 2: interrupted")]
-    assert log.is_finished.tolist() == [True, False, False] and log.num_tokens == 2
+    assert log.is_finished.tolist() == [True, False, False] and log.num_output_tokens == 2
     assert 0 < len(log.tokens_at[1]) < 400 and np.isnan(log.sent_at[2])
 
 
@@ -464,7 +464,7 @@ def test_it_runs_where_an_event_loop_already_runs_as_in_jupyter(stand_in):
         return replay(lk.Trace.from_lengths([3, 2]), url=stand_in.url, model=MODEL, progress=False)
 
     log = asyncio.run(notebook_cell())
-    assert log.failures == [] and log.num_tokens == 5
+    assert log.failures == [] and log.num_output_tokens == 5
 
 
 @pytest.mark.parametrize(
@@ -553,7 +553,7 @@ def test_a_server_that_refuses_the_length_fields_and_token_ids_gets_neither_from
     assert all(1 < len(sends[n]) <= 3 for n in lengths)  # refused at most once per fallback, never in a loop
     # the metrics count what came back: request 0 got 4 of its 5 tokens
     assert log.asked_lengths.tolist() == lengths and log.trace.output_lengths.tolist() == [4, 3, 4, 2]
-    assert [len(t) for t in log.tokens_at] == [4, 3, 4, 2] and log.num_tokens == 13
+    assert [len(t) for t in log.tokens_at] == [4, 3, 4, 2] and log.num_output_tokens == 13
     row = metrics.summary(log)
     tpot = [(t[-1] - t[0]) / (n - 1) for t, n in zip(log.tokens_at, [4, 3, 4, 2])]
     assert row["tokens"] == 13 and row["TPOT mean (ms)"] == pytest.approx(1000 * np.mean(tpot), rel=1e-12)
@@ -615,7 +615,7 @@ def test_a_server_that_refuses_return_token_ids_gets_none_and_counts_a_token_per
                          "'min_tokens', 'return_token_ids']); from now on requests go without ignore_eos, min_tokens and "
                          "return_token_ids; an answer may stop before its output length, and counts as it came back, "
                          "not as a failure; a chunk that carries text and no token ids counts as one token",)
-    assert log.outputs == {} and [len(t) for t in log.tokens_at] == [3, 2] and log.num_tokens == 5
+    assert log.outputs == {} and [len(t) for t in log.tokens_at] == [3, 2] and log.num_output_tokens == 5
     assert all("return_token_ids" not in sends[-1] for sends in sends_by_length(stand_in).values())
 
 
@@ -631,7 +631,7 @@ def test_a_request_whose_chunks_carry_no_text_gets_one_token_time_at_its_end(sta
     stand_in.behaviour.blank = {3}
     log = replay(lk.Trace.from_lengths([3, 2]), url=stand_in.url, model=MODEL, progress=False)
     assert log.failures == [] and [len(t) for t in log.tokens_at] == [1, 2]
-    assert log.num_tokens == 5 and log.usage[0]["completion_tokens"] == 3  # counted by the usage
+    assert log.num_output_tokens == 5 and log.usage[0]["completion_tokens"] == 3  # counted by the usage
     assert log.ttft[0] == log.latency[0] >= 3 * TOKEN_SECONDS and log.texts == {1: " t0 t1"}
 
 

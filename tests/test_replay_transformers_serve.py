@@ -58,7 +58,7 @@ def test_the_metrics_count_the_tokens_that_came_back(replayed):
     assert completion_tokens == TRACE.output_lengths.tolist()  # the model has no EOS: it stops at max_tokens
     assert replayed.asked_lengths.tolist() == TRACE.output_lengths.tolist()
     row = lk.metrics.summary(replayed)
-    assert row["tokens"] == replayed.num_tokens == sum(completion_tokens) and row["failed requests"] == 0
+    assert row["tokens"] == replayed.num_output_tokens == sum(completion_tokens) and row["failed requests"] == 0
     assert row["tokens/s"] > 0 and row["TTFT p50 (s)"] > 0 and not np.isnan(row["ITL p50 (ms)"])
 
 

@@ -33,14 +33,14 @@ TOY_CONTINUOUS = [
 def test_toy_static_schedule():
     log = lk.simulate(lk.Trace.toy(), lk.Static(num_slots=2))
     assert log.slots.tolist() == TOY_STATIC
-    assert (log.num_steps, log.num_tokens) == (23, 32)
+    assert (log.num_steps, log.num_output_tokens) == (23, 32)
     assert log.utilization == 32 / 46
 
 
 def test_toy_continuous_schedule():
     log = lk.simulate(lk.Trace.toy(), lk.Continuous(num_slots=2))
     assert log.slots.tolist() == TOY_CONTINUOUS
-    assert (log.num_steps, log.num_tokens) == (17, 32)
+    assert (log.num_steps, log.num_output_tokens) == (17, 32)
     assert log.utilization == 32 / 34
     # one run per decision, and a decision only where someone finished and the rows change
     assert log.num_runs == 1 + sum(before != after for before, after in zip(TOY_CONTINUOUS, TOY_CONTINUOUS[1:]))
@@ -182,7 +182,7 @@ POLICIES = [lk.Static, lk.Continuous, lambda n: lk.Dynamic(n, timeout=0.3)]
 def test_every_request_runs_exactly_its_length_once(trace, num_slots, make):
     log = lk.simulate(trace, make(num_slots), step_time=0.1)
     assert log.slots.shape == (log.num_steps, num_slots)
-    assert log.num_tokens == trace.output_lengths.sum() == (log.slots >= 0).sum()
+    assert log.num_output_tokens == trace.output_lengths.sum() == (log.slots >= 0).sum()
     for position, rid in enumerate(trace.ids):
         steps = np.nonzero((log.slots == rid).any(axis=1))[0]
         assert len(steps) == trace.output_lengths[position]  # finishes exactly once, one token per step
@@ -269,7 +269,7 @@ def test_preemption_puts_the_newest_back_and_recomputes_it():
     assert log.recomputed_tokens == 8
     assert log.finish_step.tolist() == [5, 6]
     assert log.prefill_tokens[6].tolist() == [9, 0]
-    assert (log.num_emitted.sum(), log.num_tokens) == (12, 12)
+    assert (log.num_emitted.sum(), log.num_output_tokens) == (12, 12)
 
 
 def test_static_computes_finished_rows_and_the_simulator_prices_them():
@@ -426,7 +426,7 @@ def test_a_simulation_leaves_no_reference_cycles_behind(policy):
         assert gc.collect() == 0, "the run made garbage only the cyclic collector frees"
     finally:
         gc.enable()
-    assert log.num_tokens == trace.output_lengths.sum()
+    assert log.num_output_tokens == trace.output_lengths.sum()
 
 
 # Admission out of arrival order: Priority and ShortestPredictedFirst ------------------------
@@ -476,7 +476,7 @@ def test_without_preempt_for_waiting_only_running_out_of_blocks_preempts_and_it_
     assert_same_log(jumped, lk.simulate(trace, policy, step_time=0.1, fast_forward=False))
     if policy.num_blocks is None or policy.reserve == "whole":
         assert jumped.num_preemptions == 0
-    assert jumped.num_tokens == trace.output_lengths.sum()
+    assert jumped.num_output_tokens == trace.output_lengths.sum()
 
 
 def test_preempt_for_waiting_must_be_true_or_false():

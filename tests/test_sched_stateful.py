@@ -201,7 +201,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             if request_id not in self.aborted and not request.is_finished:
                 assert 1 <= request.num_uncomputed <= request.num_prompt_tokens + now, request
                 assert request.num_computed + request.num_uncomputed == request.num_prompt_tokens + now, request
-        assert self.log.num_tokens == sum(r.num_generated for r in self.added.values())
+        assert self.log.num_output_tokens == sum(r.num_generated for r in self.added.values())
         # blocks
         if self.pool is not None:
             owned = [b for r in self.added.values() for b in r.block_table]

@@ -193,7 +193,7 @@ def test_the_api_key_guards_every_path_but_health_and_metrics(guarded):
 def test_a_replay_sends_the_api_key_it_is_given(guarded):
     trace = lk.Trace.from_lengths([2, 3])
     keyed = lk.replay(trace, url=guarded.url, model=MODEL, api_key=KEY, progress=False)
-    assert keyed.failures == [] and keyed.num_tokens == 5
+    assert keyed.failures == [] and keyed.num_output_tokens == 5
     keyless = lk.replay(trace, url=guarded.url, model=MODEL, progress=False)  # the control
     assert [request for request, _ in keyless.failures] == [0, 1]
     assert "HTTP 401: this server needs an API key" in keyless.failures[0][1]

@@ -189,7 +189,7 @@ def test_a_sequence_longer_than_max_seq_len_is_refused_by_the_library():
     with pytest.raises(ValueError, match=r"request 1: its sequence holds up to 130 tokens .* more than the "
                                          r"engine's max_seq_len = 64; it can never run"):
         lk.simulate(trace, policy)
-    assert lk.simulate(trace.select([0, 2]), policy).num_tokens == 8  # the others run
+    assert lk.simulate(trace.select([0, 2]), policy).num_output_tokens == 8  # the others run
 
 
 def test_the_engine_refuses_a_too_long_request_and_a_shape_longer_than_its_model(engine):

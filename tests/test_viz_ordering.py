@@ -46,7 +46,7 @@ def test_policy_row_agrees_with_the_metrics_summary(logs):
 def test_shortest_first_cuts_the_mean_ttft_of_a_backlog_and_keeps_the_tokens(logs):
     fcfs, spf = policy_row(logs["FCFS"]), policy_row(logs["SPF"])
     assert spf["TTFT mean"] < fcfs["TTFT mean"]
-    assert logs["SPF"].num_tokens == logs["FCFS"].num_tokens == LENGTHS.sum()
+    assert logs["SPF"].num_output_tokens == logs["FCFS"].num_output_tokens == LENGTHS.sum()
 
 
 def test_policy_table_prints_a_row_per_run(logs):

@@ -30,7 +30,7 @@ class RunLog(Protocol):
     `trace`), seconds from arrival to the first and to the last token, NaN for a failed one."""
 
     trace: Trace
-    num_tokens: int
+    num_output_tokens: int
     ttft: np.ndarray
     latency: np.ndarray
     duration: float
@@ -97,7 +97,7 @@ def summary(log: StepLog | RunLog) -> dict[str, float]:
     StepLog only, failed requests for a log that records failures (a replay's) only."""
     gaps, per_token = itl(log), tpot(log)
     row = {
-        "tokens": log.num_tokens,
+        "tokens": log.num_output_tokens,
         "tokens/s": log.tokens_per_second,
         "TTFT p50 (s)": percentile(log.ttft, 50),
         "TTFT p99 (s)": percentile(log.ttft, 99),
@@ -120,7 +120,7 @@ def _with_step_fields(log: StepLog, row: dict[str, float]) -> dict[str, float]:
         "steps": log.num_steps,
         "tokens": row.pop("tokens"),
         "utilization (%)": 100 * log.utilization,
-        "wasted slot-steps": log.num_slots * log.num_steps - log.num_tokens,
+        "wasted slot-steps": log.num_slots * log.num_steps - log.num_output_tokens,
         "tokens/step": log.tokens_per_step,
         "tokens/s": row.pop("tokens/s"),
         "mean wait (s)": float(np.mean(log.waiting_time)),

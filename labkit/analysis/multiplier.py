@@ -181,7 +181,7 @@ class Multiplier:
         for name, log in self.runs.items():
             steps = getattr(log, "num_steps", None)
             rows.append([name, f"{steps:,}" if steps else "-",
-                         f"{log.num_tokens / steps:.1f}" if steps else "-",
+                         f"{log.num_output_tokens / steps:.1f}" if steps else "-",
                          f"{1e3 * log.duration / steps:.3g}" if steps else "-",
                          f"{log.tokens_per_second:,.0f}", f"{self.runs[self.baseline].duration / log.duration:.2f}×"])
         return format_table(["run", "steps", "tokens/step", "ms/step", "tokens/s", "× baseline"], rows)
@@ -194,11 +194,11 @@ class RecordedRun:
 
     num_steps: int
     duration: float
-    num_tokens: int
+    num_output_tokens: int
 
     @property
     def tokens_per_second(self) -> float:
-        return self.num_tokens / self.duration
+        return self.num_output_tokens / self.duration
 
 
 def from_record(record: dict, name: str = "batched") -> Multiplier:
@@ -226,7 +226,7 @@ def take_apart(trace: Trace, memory: Memory, run: Callable, baselines: dict[str,
     baselines: {name: run} of older implementations, oldest first, each given the static
         policy; the first is the headline's baseline. None: the static run is the baseline.
     name: what to call the implementation under test in the last implementation factor.
-    A log needs `duration` and `num_tokens`; the three schedules' logs also `num_steps`.
+    A log needs `duration` and `num_output_tokens`; the three schedules' logs also `num_steps`.
     """
     memory.check_fits(trace)
     policies = memory.policies()
@@ -262,8 +262,8 @@ def _check_runs(trace: Trace, runs: dict) -> None:
     """Every run served every token, and each baseline ran the static schedule's steps."""
     expected = int(trace.output_lengths.sum())
     for name, log in runs.items():
-        if log.num_tokens != expected:
-            raise ValueError(f"run {name!r} served {log.num_tokens} tokens, not the trace's {expected}")
+        if log.num_output_tokens != expected:
+            raise ValueError(f"run {name!r} served {log.num_output_tokens} tokens, not the trace's {expected}")
         steps = getattr(log, "num_steps", runs["static"].num_steps)
         if name not in ("full static", "continuous", "paged") and steps != runs["static"].num_steps:
             raise ValueError(f"baseline {name!r} ran {steps} steps, static {runs['static'].num_steps}: "

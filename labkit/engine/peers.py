@@ -49,7 +49,7 @@ class GenerateLog(RequestTimes):
         self.trace, self.tokens_at, self.outputs, self.num_steps = trace, tokens_at, outputs, num_steps
         self.first_token_at = np.array([t[0] for t in tokens_at])
         self.finished_at = np.array([t[-1] for t in tokens_at])
-        self.num_tokens = int(trace.output_lengths.sum())
+        self.num_output_tokens = int(trace.output_lengths.sum())
 
     def __repr__(self) -> str:
         return f"GenerateLog({len(self.trace)} requests, {self.num_steps} steps, {self.duration:.2f} s)"
@@ -61,7 +61,7 @@ class GenerateLog(RequestTimes):
 
     @property
     def tokens_per_second(self) -> float:
-        return self.num_tokens / self.duration
+        return self.num_output_tokens / self.duration
 
     def token_times(self) -> tuple[np.ndarray, np.ndarray]:
         """(request ids, times) of every token, grouped by request."""

@@ -312,8 +312,8 @@ class RefillStep(Question):
                              "decide only on who waits, who holds which slot and who has finished.")
         if mine.outputs != reference.outputs:
             return incorrect(f"{where}, the slots match lk.Continuous but the tokens differ.")
-        num_tokens = sum(len(tokens) for tokens in mine.outputs.values())
-        return correct(f"On the engine, which asks it before every step: the same slots and the same {num_tokens} "
+        num_output_tokens = sum(len(tokens) for tokens in mine.outputs.values())
+        return correct(f"On the engine, which asks it before every step: the same slots and the same {num_output_tokens} "
                        "tokens.")
 
     def _run_failure(self, error: Exception, where: str, refill):

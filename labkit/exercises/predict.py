@@ -201,8 +201,8 @@ class Utilizations(Question):
         if ok:
             return f"{label}: {value:.3g} is right."
         target, one_fewer = log.utilization, log.num_steps - 1
-        if one_fewer and math.isclose(value, log.num_tokens / (log.num_slots * one_fewer), abs_tol=self.tolerance):
-            return (f"{label}: {value:.3g} is {log.num_tokens}/({log.num_slots} × {one_fewer}), one iteration short: "
+        if one_fewer and math.isclose(value, log.num_output_tokens / (log.num_slots * one_fewer), abs_tol=self.tolerance):
+            return (f"{label}: {value:.3g} is {log.num_output_tokens}/({log.num_slots} × {one_fewer}), one iteration short: "
                     f"iterations are numbered 0 to {one_fewer}, so there are {log.num_steps}.")
         if math.isclose(value, 1 - target, abs_tol=self.tolerance):
             return f"{label}: {value:.3g} is the idle share; utilization is the useful one, tokens / (slots × iterations)."
@@ -213,8 +213,8 @@ class Utilizations(Question):
 
     def _praise(self) -> str:
         static, continuous = self._logs()
-        return (f"Both emit {static.num_tokens} tokens: {static.num_tokens}/{static.num_slots * static.num_steps} = "
-                f"{static.utilization:.1%} of static batching's slot-iterations, {continuous.num_tokens}/"
+        return (f"Both emit {static.num_output_tokens} tokens: {static.num_output_tokens}/{static.num_slots * static.num_steps} = "
+                f"{static.utilization:.1%} of static batching's slot-iterations, {continuous.num_output_tokens}/"
                 f"{continuous.num_slots * continuous.num_steps} = {continuous.utilization:.1%} of continuous "
                 "batching's.")
 
@@ -224,7 +224,7 @@ class Utilizations(Question):
 
     def solution_text(self) -> str:
         static, continuous = self._logs()
-        return "\n".join(f"{log.policy}: {log.num_tokens} tokens / ({log.num_slots} × {log.num_steps}) = "
+        return "\n".join(f"{log.policy}: {log.num_output_tokens} tokens / ({log.num_slots} × {log.num_steps}) = "
                          f"{log.utilization:.3f}" for log in (static, continuous)) + \
             f"\nanswer = ({static.utilization:.3f}, {continuous.utilization:.3f})"
 

@@ -11,7 +11,7 @@ Invariants:
 - step s starts at `step_start[s]` and lasts `step_seconds[s]`; steps never overlap;
 - a scheduled request processes tokens in its slot at a step (a prefill, a chunk of one,
   a recompute, or a decode); `num_emitted[s]` of them emit an output token at the end
-  of step s, and `num_tokens` counts the emitted tokens;
+  of step s, and `num_output_tokens` counts the emitted tokens;
 - `num_preemptions` and `recomputed_tokens` count the work preemption threw away: the
   cached tokens of each preempted request, which it computes again when readmitted;
   `preempted_at` lists (step, request id) for each; `admit_step` is a request's last
@@ -105,7 +105,7 @@ class StepLog(RequestTimes):
         self.num_slots = num_slots
         self.policy = policy
         self.num_steps = 0
-        self.num_tokens = 0
+        self.num_output_tokens = 0
         self.num_preemptions = 0
         self.recomputed_tokens = 0
         self.preemptions = np.zeros(len(trace), np.int64)
@@ -126,7 +126,7 @@ class StepLog(RequestTimes):
 
     def __repr__(self) -> str:
         return (
-            f"StepLog({self.policy}: {self.num_steps} steps, {self.num_tokens} tokens, "
+            f"StepLog({self.policy}: {self.num_steps} steps, {self.num_output_tokens} tokens, "
             f"utilization {self.utilization:.1%})"
         )
 
@@ -146,7 +146,7 @@ class StepLog(RequestTimes):
                      num_shape_padded)
         )
         self.num_steps += count
-        self.num_tokens += count * num_emitted
+        self.num_output_tokens += count * num_emitted
         if self._arrays:
             self._arrays.clear()
 
@@ -346,11 +346,11 @@ class StepLog(RequestTimes):
     @property
     def utilization(self) -> float:
         """Useful slot-steps / (num_slots * num_steps)."""
-        return self.num_tokens / (self.num_slots * self.num_steps) if self.num_steps else 0.0
+        return self.num_output_tokens / (self.num_slots * self.num_steps) if self.num_steps else 0.0
 
     @property
     def tokens_per_step(self) -> float:
-        return self.num_tokens / self.num_steps if self.num_steps else 0.0
+        return self.num_output_tokens / self.num_steps if self.num_steps else 0.0
 
     @property
     def duration(self) -> float:
@@ -359,7 +359,7 @@ class StepLog(RequestTimes):
 
     @property
     def tokens_per_second(self) -> float:
-        return self.num_tokens / self.duration if self.num_steps else 0.0
+        return self.num_output_tokens / self.duration if self.num_steps else 0.0
 
     # Per request (indexed like the trace)
 

@@ -14,7 +14,7 @@ Invariants:
   received exactly its output length in tokens while the server takes `ignore_eos` and
   `min_tokens`, or between 1 and that length once the server refused either of them (a shorter
   answer is then what the server chose, not a failure). A failed request has NaN first-token and
-  finish times, and none of its tokens count in `num_tokens`, `token_times()` or the duration;
+  finish times, and none of its tokens count in `num_output_tokens`, `token_times()` or the duration;
 - the metrics count what came back: `log.trace` holds each finished request's output length as
   received (the final usage's `completion_tokens` when the server sends it, else its counted
   tokens), and `log.asked_lengths` what the trace asked for;
@@ -274,11 +274,11 @@ class ReplayLog(RequestTimes):
         self.is_finished = ~np.isin(trace.ids, [request for request, _ in failures])
         self.first_token_at = np.array([t[0] if done else np.nan for t, done in zip(tokens_at, self.is_finished)])
         self.finished_at = np.array([t[-1] if done else np.nan for t, done in zip(tokens_at, self.is_finished)])
-        self.num_tokens = int(trace.output_lengths[self.is_finished].sum())
+        self.num_output_tokens = int(trace.output_lengths[self.is_finished].sum())
 
     def __repr__(self) -> str:
         return (f"ReplayLog({self.url}: {len(self.trace)} requests, {len(self.failures)} failed, "
-                f"{self.num_tokens} tokens in {self.duration:.2f} s)")
+                f"{self.num_output_tokens} tokens in {self.duration:.2f} s)")
 
     @property
     def duration(self) -> float:
@@ -287,7 +287,7 @@ class ReplayLog(RequestTimes):
 
     @property
     def tokens_per_second(self) -> float:
-        return self.num_tokens / self.duration if self.duration else 0.0
+        return self.num_output_tokens / self.duration if self.duration else 0.0
 
     def token_times(self) -> tuple[np.ndarray, np.ndarray]:
         """(request ids, times) of every token of the finished requests, grouped by request: a

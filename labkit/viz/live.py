@@ -30,4 +30,4 @@ class LiveSlotDiagram(widgets.VBox):
 
     def update(self, log: StepLog) -> None:
         redraw(self.figure, log)
-        self.caption.value = f"{self.title}: step {log.num_steps}, {log.num_tokens} tokens"
+        self.caption.value = f"{self.title}: step {log.num_steps}, {log.num_output_tokens} tokens"

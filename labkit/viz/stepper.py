@@ -81,14 +81,14 @@ def progress_text(log: StepLog, step: int) -> str:
     """Counters after the first `step` steps: step, tokens and utilization so far, and the
     requests waiting during the last step shown (before the first step, at step 0)."""
     step = min(step, log.num_steps)
-    num_tokens = int(np.count_nonzero(log.slots[:step] >= 0))
-    utilization = f"{num_tokens / (log.num_slots * step):.1%}" if step else "–"
+    num_output_tokens = int(np.count_nonzero(log.slots[:step] >= 0))
+    utilization = f"{num_output_tokens / (log.num_slots * step):.1%}" if step else "–"
     if step:
         num_waiting = int(log.num_queued[step - 1])
     else:
         num_waiting = int(np.count_nonzero(log.trace.arrivals <= log.step_start[0]))
     return (
-        f"step {step} of {log.num_steps} · {num_tokens} tokens · "
+        f"step {step} of {log.num_steps} · {num_output_tokens} tokens · "
         f"utilization {utilization} · {num_waiting} waiting"
     )
 
