@@ -1,7 +1,7 @@
 """labkit: predict, run and see iteration-level scheduling (continuous batching).
 
 Layers, each importing only those before it: traffic, theory -> sched -> analysis -> engine, viz.
-`lk.CostModel` is `labkit.analysis`'s: the simulator's price (`labkit.sched.cost`) plus `fit`.
+`lk.CostModel` is `labkit.analysis`'s: the simulator's price (`labkit.sched.cost.StepPrice`) plus `fit`.
 Importing labkit loads numpy only; `labkit.viz` loads plotly and ipywidgets, and
 `labkit.replay` httpx, when first used.
 """

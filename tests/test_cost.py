@@ -213,8 +213,8 @@ def test_fixed_step_logs_have_no_kv_reads_to_fit():
 
 
 def test_the_fittable_model_prices_a_simulation_as_sched_s_own_does():
-    priced = sched_cost.CostModel(**dataclasses.asdict(KNOWN))
-    assert isinstance(KNOWN, sched_cost.CostModel) and lk.CostModel is CostModel
+    priced = sched_cost.StepPrice(**dataclasses.asdict(KNOWN))
+    assert isinstance(KNOWN, sched_cost.StepPrice) and lk.CostModel is CostModel
     np.testing.assert_array_equal(lk.simulate(ARRIVING, BUDGETED, cost=KNOWN).step_seconds,
                                   lk.simulate(ARRIVING, BUDGETED, cost=priced).step_seconds)
     assert type(CostModel.fit(lk.simulate(ARRIVING, BUDGETED, cost=priced)).model) is CostModel
@@ -283,6 +283,7 @@ def test_a_price_per_request_needs_the_requests():
 
 def test_the_repr_shows_host_terms_only_when_set():
     assert repr(CostModel()) == "CostModel(overhead=0.003, per_prefill_token=0.0001, per_decode_token=0.0003, per_kv_token=2e-07)"
+    assert repr(sched_cost.StepPrice()).startswith("StepPrice(overhead=0.003, ")  # each class by its own name
     assert "host_per_request=0.0001" in repr(HOSTED) and "overlap" not in repr(HOSTED)
     assert "overlap=True" in repr(OVERLAPPED)
 

@@ -1,9 +1,9 @@
 """Fitting a step's price to measured steps: `CostModel.fit` and how well the fit predicts.
 
-`labkit.sched.cost.CostModel` prices a step; the `CostModel` here is that same frozen
-dataclass with the classmethods that fit it (`fit`, `fit_arrays`, `fit_split`) or load a
-saved fit (`load`), and a readable `str`; it is the one `labkit` exports as `lk.CostModel`. It adds no field, so the simulator prices with
-it as with its base, and `sched` never imports this module.
+`labkit.sched.cost.StepPrice` prices a step; `CostModel` is that same frozen dataclass with
+the classmethods that fit it (`fit`, `fit_arrays`, `fit_split`) or load a saved fit
+(`load`), and a readable `str`; it is the one `labkit` exports as `lk.CostModel`. It adds no
+field, so the simulator prices with it as with its base, and `sched` never imports this module.
 
 Invariants:
 
@@ -22,15 +22,15 @@ from itertools import combinations
 
 import numpy as np
 
-from labkit.sched import cost
+from labkit.sched.cost import StepPrice
 
 MAX_LINE = 100  # characters of one printed line
 MIN_NUM_STEPS = 8  # fewer steps than this cannot train 4 coefficients and test them
 NUM_COEFFICIENTS = 4  # overhead, per_prefill_token, per_decode_token, per_kv_token
 
 
-class CostModel(cost.CostModel):
-    """A step's price (`labkit.sched.cost.CostModel`) that can also be fitted to a StepLog,
+class CostModel(StepPrice):
+    """A step's price (`labkit.sched.cost.StepPrice`) that can also be fitted to a StepLog,
     loaded from a saved fit, and printed in readable units."""
 
     def __str__(self) -> str:

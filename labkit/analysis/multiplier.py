@@ -44,7 +44,7 @@ from typing import Callable
 from labkit.sched.blocks import num_blocks_for
 from labkit.checks import whole_number
 from labkit.analysis.metrics import format_table
-from labkit.sched.cost import CostModel
+from labkit.sched.cost import StepPrice
 from labkit.sched.policy import Continuous, Static
 from labkit.sched.simulator import simulate
 from labkit.traffic import Trace
@@ -238,7 +238,7 @@ def take_apart(trace: Trace, memory: Memory, run: Callable, baselines: dict[str,
     return Multiplier(runs, _factors(runs, name))
 
 
-def predict(trace: Trace, memory: Memory, cost: CostModel, baseline_costs: dict[str, CostModel] | None = None,
+def predict(trace: Trace, memory: Memory, cost: StepPrice, baseline_costs: dict[str, StepPrice] | None = None,
             name: str = "labkit") -> Multiplier:
     """`take_apart` on the simulator: steps priced by `cost`, each baseline's by its own model."""
     baselines = {baseline: partial(simulate, cost=model) for baseline, model in (baseline_costs or {}).items()}

@@ -3,7 +3,7 @@ what is measured from a run (metrics, cost fits, multipliers) is `labkit.analysi
 which imports sched and is never imported by it."""
 
 from labkit.sched.blocks import BlockPool
-from labkit.sched.cost import CostModel
+from labkit.sched.cost import StepPrice
 from labkit.sched.driver import drive
 from labkit.sched.ordered import Priority, ShortestPredictedFirst
 from labkit.sched.policy import Continuous, Dynamic, Static
@@ -15,7 +15,6 @@ from labkit.sched.steplog import StepLog
 
 __all__ = [
     "BlockPool",
-    "CostModel",
     "Continuous",
     "DEFAULT_STEP_TIME",
     "Decision",
@@ -28,6 +27,7 @@ __all__ = [
     "ShortestPredictedFirst",
     "Static",
     "StepLog",
+    "StepPrice",
     "drive",
     "vllm_capture_sizes",
     "simulate",

@@ -1,4 +1,4 @@
-"""CostModel: the simulator's model of how long one engine step takes.
+"""StepPrice: the simulator's model of how long one engine step takes.
 
 A step has device work and host work. The device prices a fixed overhead, each prompt
 token, each decode token and each KV-cache token that attention reads; the host (the
@@ -21,10 +21,10 @@ of its memory traffic and its arithmetic rather than their sum (a roofline):
 (`labkit.analysis.hardware`) is a roofline; a price fitted on this CPU adds its terms.
 
 The default coefficients are hand-set placeholders for a small model on a laptop CPU,
-with the host terms at zero (the device `overhead` then stands for every fixed cost);
-`lk.CostModel.fit` (`labkit.analysis.cost_fit`, a subclass that adds fitting, loading a
-saved fit and printing the coefficients in readable units) replaces them with coefficients
-measured from an engine's StepLog. Pricing needs only this class.
+with the host terms at zero (the device `overhead` then stands for every fixed cost).
+`lk.CostModel` (`labkit.analysis.cost_fit`) is this class with fitting, loading a saved fit
+and printing the coefficients in readable units; `lk.CostModel.fit` replaces the defaults
+with coefficients measured from an engine's StepLog. Pricing needs only this class.
 
 Invariant: every coefficient is a finite number >= 0, so a step never takes negative time
 and more work never makes a step shorter.
@@ -46,7 +46,7 @@ FLAGS = ("overlap", "roofline")
 
 
 @dataclass(frozen=True)
-class CostModel:
+class StepPrice:
     """Seconds per engine step as a linear function of the work in the step, on the device
     and on the host, taking turns or overlapped."""
 
@@ -72,9 +72,9 @@ class CostModel:
     def __repr__(self) -> str:
         """The device terms always; host terms and overlap only when they are set."""
         shown = [f.name for f in fields(self) if f.name in DEVICE_TERMS or getattr(self, f.name) != f.default]
-        return f"CostModel({', '.join(f'{name}={getattr(self, name)!r}' for name in shown)})"
+        return f"{type(self).__name__}({', '.join(f'{name}={getattr(self, name)!r}' for name in shown)})"
 
-    def scaled(self, factor: float) -> CostModel:
+    def scaled(self, factor: float) -> StepPrice:
         """Every time coefficient times `factor`: the same work on an implementation `factor` times slower."""
         number("factor", factor)
         return replace(self, **{f.name: getattr(self, f.name) * factor for f in fields(self) if f.name not in FLAGS})

@@ -1,6 +1,6 @@
 """The step simulator: the "predict" back end.
 
-A step lasts `step_time` seconds, or, given a `CostModel`, as long as the model says for
+A step lasts `step_time` seconds, or, given a `StepPrice`, as long as the model says for
 the work in it (prompt tokens, decode tokens, KV tokens read, rows computed), on the
 device and on the host, taking turns or overlapped; the log then splits each step into
 the model's host and device seconds. The simulator computes
@@ -27,7 +27,7 @@ from functools import partial
 import numpy as np
 
 from labkit.checks import flag, number
-from labkit.sched.cost import CostModel
+from labkit.sched.cost import StepPrice
 from labkit.sched.driver import drive
 from labkit.sched.fastforward import fast_forward as fast_forward_run
 from labkit.sched.scheduler import StepOutcome
@@ -63,7 +63,7 @@ class ModeledStepTime:
     engine computes them.
     """
 
-    cost: CostModel
+    cost: StepPrice
 
     def steps_until(self, batch: Batch, max_steps: int, seconds: float) -> int:
         first = self._first_step_seconds(batch)
@@ -95,7 +95,7 @@ def simulate(
     policy,
     step_time: float = DEFAULT_STEP_TIME,
     on_step: Callable[[StepLog], None] | None = None,
-    cost: CostModel | None = None,
+    cost: StepPrice | None = None,
     fast_forward: bool = True,
 ) -> StepLog:
     """Predict how `policy` serves `trace`; `on_step(log)` is called after every step if given.
@@ -105,7 +105,7 @@ def simulate(
     False, or an `on_step`, asks the policy before every step instead. The log is the same.
     """
     number("step_time", step_time, unit="seconds")
-    if cost is not None and not isinstance(cost, CostModel):
+    if cost is not None and not isinstance(cost, StepPrice):
         raise ValueError(f"cost = {cost!r}: must be a labkit.CostModel or None")
     flag("fast_forward", fast_forward)
     backend = FixedStepTime(step_time) if cost is None else ModeledStepTime(cost)

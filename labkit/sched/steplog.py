@@ -116,7 +116,7 @@ class StepLog(RequestTimes):
         self._phases: dict[str, list[float]] = {}
         self._kv_tokens: list[tuple[int, int, int]] = []
         self._host_device: list[tuple[float, float]] = []
-        self.cost = None  # the CostModel that timed a simulation, if any
+        self.cost = None  # the StepPrice that timed a simulation, if any
         self.overlap = False  # whether host work for a step overlapped the device's previous step
         self.lanes: dict[str, list[tuple[float, float]]] = {"host": [], "device": []}
         self.outputs: dict[int, list[int]] = {}
