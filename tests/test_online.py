@@ -9,7 +9,7 @@ import pytest
 
 import labkit as lk
 from labkit.engine import Engine, ModelConfig
-from labkit.serve.metrics import ServerMetrics
+from labkit.serve.prometheus import ServerMetrics
 from labkit.serve.online import OnlineEngine, Unavailable
 
 TINY = ModelConfig(vocab_size=300, d_model=32, n_layers=2, n_heads=2, d_ff=64, max_seq_len=128)

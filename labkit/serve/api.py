@@ -15,7 +15,7 @@
   request into the scheduler: `labkit serve --policy priority` orders its queue by it,
   other policies carry it along unread.
 - `GET /v1/models`, `GET /health` (503 once the engine's thread has failed or stopped), and
-  `GET /metrics` (Prometheus, `labkit.serve.metrics`).
+  `GET /metrics` (Prometheus, `labkit.serve.prometheus`).
 
 Requests are read strictly: each field has its JSON type (no "4" for 4, no true for 1),
 `max_tokens` >= 1, 0 <= `min_tokens` <= `max_tokens`, `prompt` a string that UTF-8 can

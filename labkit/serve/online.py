@@ -50,7 +50,7 @@ from labkit.sched import Decision, Request
 from labkit.sched.policy import check_policy
 from labkit.sched.scheduler import Scheduler, StepRecord, kv_pool
 from labkit.sched.state import Batch
-from labkit.serve.metrics import ServerMetrics
+from labkit.serve.prometheus import ServerMetrics
 
 IDLE_WAIT_SECONDS = 1.0  # the longest the loop sleeps when nothing can run, before it looks again
 

@@ -68,7 +68,7 @@ def build_server(engine, policy, model_name: str = DEFAULT_MODEL_NAME, checkpoin
     tokenizer, never early. `labkit.serve.guards.make_server` serves the app."""
     from labkit.serve import tokenizer
     from labkit.serve.api import make_app
-    from labkit.serve.metrics import ServerMetrics
+    from labkit.serve.prometheus import ServerMetrics
     from labkit.serve.online import OnlineEngine
 
     eos_token_ids = checkpoint.eos_token_ids if checkpoint else ()

@@ -1,5 +1,5 @@
 """The server's Prometheus metrics, under vLLM's names, so dashboards and scrapers built for
-vLLM read `labkit serve` too.
+vLLM read `labkit serve` too. (`labkit.analysis.metrics` reads TTFT and ITL from a run's log.)
 
 Gauges are set from the scheduler's state after every step; counters and histograms grow as
 requests arrive, tokens stream and preemptions happen. Each server has its own registry.
