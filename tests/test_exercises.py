@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 import labkit as lk
 from labkit.exercises import PolicyError, as_policy, q1, q2, q3, q4, q5, q6
 from labkit.exercises.feedback import CORRECT, INCORRECT, NOT_ATTEMPTED, WIDTH, Verdict, wrap
-from labkit.exercises.policy import admit_newest_first, grading_cases, refill_a_step_late
+from labkit.exercises.policy_question import admit_newest_first, grading_cases, refill_a_step_late
 from labkit.sched.policy import Continuous
 from labkit.exercises.predict import IterationCounts
 
@@ -519,7 +519,7 @@ def test_q7_grades_the_step_lengths(answer, expected, says, capsys):
 
 
 def test_q7_expected_comes_from_the_lanes():
-    from labkit.exercises.host import OverlapStep
+    from labkit.exercises.lanes_question import OverlapStep
 
     assert OverlapStep(host=2.0, device=5.0).expected() == (7.0, 5.0)
     assert "faster" not in str(OverlapStep(host=2.0, device=5.0).check((7, 2)))  # the host is the faster lane
@@ -549,7 +549,7 @@ def test_q8_grades_the_missing_factor(answer, expected, says, capsys):
 
 
 def test_q8_expected_is_the_claim_divided_by_the_other_factors():
-    from labkit.exercises.multiplier import MissingFactor
+    from labkit.exercises.multiplier_question import MissingFactor
 
     question = MissingFactor(total=20.0, refill=2.0, memory=5.0, step_cost=0.5)
     assert question.expected() == 4.0

@@ -36,7 +36,7 @@ def test_q9_grades_the_mean_ttfts(answer, expected, says, capsys):
 
 
 def test_q9_expected_comes_from_the_simulator():
-    from labkit.exercises.ordering import ShortestFirst
+    from labkit.exercises.ordering_question import ShortestFirst
 
     question = ShortestFirst(output_lengths=(3, 1), num_slots=1)
     trace = lk.Trace.from_lengths([3, 1])

@@ -15,7 +15,7 @@ import labkit as lk
 from labkit.sched.blocks import num_blocks_for
 from labkit.engine import Engine, ModelConfig
 from labkit.analysis.multiplier import KINDS, Memory, Multiplier, from_record, memory_first, predict, take_apart
-from labkit.viz.multiplier import MARKER_OFFSET, THIN
+from labkit.viz.multiplier_figures import MARKER_OFFSET, THIN
 
 TOY = lk.Trace.from_lengths([2, 6, 3, 8, 2, 4, 5, 2])
 TOY_MEMORY = Memory(pool_tokens=16, reserve_tokens=8, max_slots=8, block_size=1)  # B0 = 2; the paged pool holds 16
@@ -325,7 +325,7 @@ def test_a_total_of_one_has_no_log_shares():
 
 
 def test_the_missing_factor_is_the_implementation_take_apart_measures():
-    from labkit.exercises.multiplier import MissingFactor
+    from labkit.exercises.multiplier_question import MissingFactor
 
     m = predict(TOY, TOY_BELOW, COST, {"hf": COST.scaled(3)})
     given = {kind.replace(" ", "_"): m.factor(kind) for kind in KINDS if kind != "implementation"}

@@ -6,7 +6,7 @@ import pytest
 
 import labkit as lk
 from labkit.analysis.ordering import gain_table, group_row, group_table, length_bins, policy_row, policy_table, statistic
-from labkit.viz.ordering import WAITING_SHARES, noise_sweep, ttft_by_length, ttft_waiting
+from labkit.viz.ordering_figures import WAITING_SHARES, noise_sweep, ttft_by_length, ttft_waiting
 
 LENGTHS = np.random.default_rng(0).permutation(np.arange(1, 21))  # outputs of 1..20 tokens, shuffled
 

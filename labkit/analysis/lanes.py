@@ -19,6 +19,9 @@ Invariants:
 - without overlap, host work of step t+1 starts when device work of step t ends;
 - with overlap, host work of step t+1 starts when host work of step t is done and device
   work of step t has started: the host is never more than one step ahead.
+
+The topic's other parts: `labkit.viz.lanes_figures` draws the lanes, and
+`labkit.exercises.lanes_question` asks lesson 08's question (q7) about them.
 """
 
 from __future__ import annotations

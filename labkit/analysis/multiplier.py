@@ -32,6 +32,9 @@ Invariants:
 - with every step priced the same (`simulate`'s `step_time`), step cost is 1, up to rounding;
 - the paged pool holds whole blocks, at least one request of `reserve_tokens`, so every
   request that `check_fits` passes runs on every schedule.
+
+The topic's other parts: `labkit.viz.multiplier_figures` draws a `Multiplier`, and
+`labkit.exercises.multiplier_question` asks lesson 10's question (q8) about one.
 """
 
 from __future__ import annotations

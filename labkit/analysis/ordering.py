@@ -1,5 +1,6 @@
 """Who goes first, in numbers: tables that compare queue orders (first come, priority,
-shortest predicted first) on the same requests. `labkit.viz.ordering` draws the figures.
+shortest predicted first) on the same requests. `labkit.viz.ordering_figures` draws the
+figures, and `labkit.exercises.ordering_question` asks lesson 11's question (q9).
 
 - `policy_table`: TTFT, ITL and end-to-end percentiles and throughput, one row per run;
 - `group_table`: TTFT and latency of chosen groups of requests (a priority class, the

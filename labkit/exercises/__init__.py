@@ -8,13 +8,15 @@
 
 q1–q5 ask to predict a number or a choice (labkit.exercises.predict); q6 asks for the
 refill step of continuous batching as a function, graded against `lk.Continuous` in the
-simulator and on the engine (labkit.exercises.policy); q7 asks how long a step takes with
-and without overlap scheduling (labkit.exercises.host); q8 asks for the factor a headline
-multiplier leaves to the implementation (labkit.exercises.multiplier); q9 asks what the
-order of the waiting queue does to latency (labkit.exercises.ordering). `lesson01` to
-`lesson06` hold those lessons' check-yourself questions (iterations and utilization, a
-gain's size, block counts, a KV crossover, a weight-bound step, chunked prefill), built from
-the same question types.
+simulator and on the engine (labkit.exercises.policy_question); q7 asks how long a step
+takes with and without overlap scheduling (labkit.exercises.lanes_question); q8 asks for the
+factor a headline multiplier leaves to the implementation
+(labkit.exercises.multiplier_question); q9 asks what the order of the waiting queue does to
+latency (labkit.exercises.ordering_question). A module named `<topic>_question` asks about
+the topic whose home is the module `<topic>` (`labkit.analysis.lanes`, `labkit.sched.policy`,
+...). `lesson01` to `lesson06` hold those lessons' check-yourself questions (iterations and
+utilization, a gain's size, block counts, a KV crossover, a weight-bound step, chunked
+prefill), built from the same question types.
 
 Invariants:
 
@@ -28,10 +30,10 @@ Invariants:
 """
 
 from labkit.exercises.feedback import Verdict
-from labkit.exercises.host import q7
-from labkit.exercises.multiplier import q8
-from labkit.exercises.ordering import q9
-from labkit.exercises.policy import PolicyError, as_policy, q6
+from labkit.exercises.lanes_question import q7
+from labkit.exercises.multiplier_question import q8
+from labkit.exercises.ordering_question import q9
+from labkit.exercises.policy_question import PolicyError, as_policy, q6
 from labkit.exercises.predict import q1, q2, q3, q4, q5
 
 __all__ = ["PolicyError", "Verdict", "as_policy", "q1", "q2", "q3", "q4", "q5", "q6", "q7", "q8", "q9"]

@@ -1,9 +1,10 @@
 """labkit.viz: pixels. Figures and widgets that read a `StepLog` (or theory numbers) and nothing else.
 
 Imports plotly, ipywidgets, numpy and the labkit layers above it; it never runs an engine,
-and it keeps no module-level mutable state. The text tables the lessons print beside the
-figures (`policy_table`, `group_table`, `gain_table`) are `labkit.analysis.ordering`'s,
-exported here too.
+and it keeps no module-level mutable state. A module named `<topic>_figures` draws what the
+analysis module `<topic>` computes (`multiplier_figures`: `labkit.analysis.multiplier`).
+The text tables the lessons print beside the figures (`policy_table`, `group_table`,
+`gain_table`) are `labkit.analysis.ordering`'s, exported here too.
 """
 
 from labkit.analysis.ordering import gain_table, group_table, policy_table
@@ -21,11 +22,11 @@ from labkit.viz.figures import (
     utilization_bars,
 )
 from labkit.viz.costs import step_breakdown, step_time_curve
-from labkit.viz.lanes import LaneExplorer, lane_timeline, overlap_speedup_curve
+from labkit.viz.lanes_figures import LaneExplorer, lane_timeline, overlap_speedup_curve
 from labkit.viz.latency import goodput_bars, latency_tradeoff, predicted_against_measured, step_times
 from labkit.viz.live import LiveSlotDiagram
-from labkit.viz.multiplier import multiplier_bars, multiplier_waterfall
-from labkit.viz.ordering import noise_sweep, ttft_by_length, ttft_waiting
+from labkit.viz.multiplier_figures import multiplier_bars, multiplier_waterfall
+from labkit.viz.ordering_figures import noise_sweep, ttft_by_length, ttft_waiting
 from labkit.viz.memory import pool_sweep, pool_usage, preemption_steps, running_requests, server_occupancy
 from labkit.viz.stepper import ScheduleStepper, progress_text
 

@@ -4,6 +4,9 @@ does to the mean TTFT, and who pays for it.
 Invariants: the expected answer, and every number a verdict quotes, comes from
 `labkit.simulate` (first come, first served against shortest predicted first with a
 perfect predictor) when asked; nothing is written down.
+
+`labkit.analysis.ordering` holds the tables that compare queue orders, and
+`labkit.viz.ordering_figures` their figures.
 """
 
 from __future__ import annotations

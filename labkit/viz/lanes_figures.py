@@ -12,6 +12,8 @@ Invariants: a timeline draws every stretch it is given and nothing else, and the
 always shows the layout of its sliders' current values.
 
 DOM classes for browser tests: labkit-lane-host, labkit-lane-device, labkit-lane-summary.
+
+Lesson 08's question about the lanes (q7) is `labkit.exercises.lanes_question`.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """Who goes first, drawn: figures that compare queue orders (first come, priority, shortest
-predicted first) on the same requests. `labkit.analysis.ordering` holds the tables.
+predicted first) on the same requests. `labkit.analysis.ordering` holds the tables, and
+`labkit.exercises.ordering_question` lesson 11's question (q9).
 
 - `ttft_waiting`: the share of requests still without a first token after x seconds, log-log;
 - `ttft_by_length`: mean TTFT against output length, in groups of equal size: who pays;

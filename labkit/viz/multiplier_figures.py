@@ -9,6 +9,9 @@ segment too thin to hold it, beside the bar with its kind; the bars of a multipl
 to its total, which is marked and written at its marker, left of the bar; the published
 figure, if any, is marked and written right of the bar, with its note (how it was measured)
 under it; nothing else is drawn.
+
+The multipliers themselves are `labkit.analysis.multiplier`'s; lesson 10's question about
+them is `labkit.exercises.multiplier_question`.
 """
 
 from __future__ import annotations

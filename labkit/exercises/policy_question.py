@@ -1,5 +1,6 @@
 """Write-a-policy: the student writes continuous batching's refill step, graded against
-`lk.Continuous` on traces the lesson never shows, in the simulator and on the engine.
+`lk.Continuous` (`labkit.sched.policy`, where the policies live) on traces the lesson never
+shows, in the simulator and on the engine.
 
 `refill(state) -> lk.Decision` releases the finished requests and admits waiting ones
 into the free slots; `as_policy(refill, num_slots)` makes it a policy that `lk.simulate`

@@ -1,4 +1,5 @@
 """A check-yourself problem for lesson 10: the factor a headline leaves unexplained.
+The factors are `labkit.analysis.multiplier`'s, drawn by `labkit.viz.multiplier_figures`.
 
 Invariants: the expected answer, and every number a verdict quotes, comes from the
 factors given when asked (a headline is their product); nothing is written down.

@@ -2,7 +2,8 @@
 take turns, and when they overlap.
 
 Invariants: the expected answer, and every number a verdict quotes, comes from
-`labkit.analysis.lanes` when asked; nothing is written down.
+`labkit.analysis.lanes` when asked; nothing is written down. `labkit.viz.lanes_figures`
+draws the two lanes.
 """
 
 from __future__ import annotations
