@@ -41,6 +41,7 @@ that ignores its token budget, and show that it fails.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, fields, replace
 
 import pytest
@@ -62,6 +63,18 @@ TIGHT_POOLS = st.one_of(st.none(), st.integers(4, 24))  # blocks; small enough t
 LONGEST = MAX_PROMPT + MAX_OUTPUT  # the most tokens a request caches: begin-of-sequence, prompt, outputs but the last
 ID_OFFSET = 100  # request ids differ from trace positions, so a mix-up of the two shows
 MAX_DRAIN_STEPS = 2000
+
+
+def guarded(method):
+    """Mark the machine unhealthy while `method` runs, so a failure is not followed by teardown's."""
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        self.healthy = False
+        method(self, *args, **kwargs)
+        self.healthy = True
+
+    return run
 
 
 class SchedulerMachine(RuleBasedStateMachine):
@@ -88,16 +101,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.num_preempted = 0
         self.healthy = True  # False once a rule or invariant fails, so teardown does not pile on
 
-    def _guard(self, action, *args) -> None:
-        self.healthy = False
-        action(*args)
-        self.healthy = True
-
     # Rules
 
     @precondition(lambda self: len(self.added) < CAPACITY)
     @rule(arrivals=st.lists(st.tuples(st.integers(0, MAX_PROMPT), st.integers(1, MAX_OUTPUT), st.integers(0, 2)),
                             min_size=1, max_size=4))
+    @guarded
     def add(self, arrivals):
         """Requests (prompt, output length, priority) arrive now; one the policy can never serve is
         refused before any work."""
@@ -115,13 +124,15 @@ class SchedulerMachine(RuleBasedStateMachine):
             self._sort_queue()
 
     @rule(num_steps=st.integers(1, 4))
+    @guarded
     def step(self, num_steps):
         for _ in range(num_steps):
-            self._guard(self._step)
-            self._guard(self._check_invariants)
+            self._step()
+            self._check_invariants()
 
     @precondition(lambda self: (self.state.waiting or self.state.running()) and 4 * len(self.aborted) < len(self.added))
     @rule(data=st.data())
+    @guarded
     def abort(self, data):
         """A client goes away (one in four at most, so the rest keep the pool busy): its request
         leaves the queue or its slot, with its blocks."""
@@ -133,6 +144,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: any(r.num_generated for r in self.state.running()))
     @rule(data=st.data())
+    @guarded
     def stop(self, data):
         """A running request sampled an end-of-sequence token: it ends at the outputs it has."""
         request = data.draw(st.sampled_from([r for r in self.state.running() if r.num_generated]), label="stop")
@@ -261,8 +273,9 @@ class SchedulerMachine(RuleBasedStateMachine):
     # Invariants
 
     @invariant()
+    @guarded
     def invariants(self):
-        self._guard(self._check_invariants)
+        self._check_invariants()
 
     def _check_invariants(self) -> None:
         self._check_places()
