@@ -576,6 +576,7 @@ def test_a_server_that_refuses_the_length_fields_and_token_ids_gets_neither_from
     assert row["tokens"] == 13 and row["TPOT mean (ms)"] == pytest.approx(1000 * np.mean(tpot), rel=1e-12)
 
 
+@pytest.mark.integration  # loads transformers (seconds to import): `make test` runs it
 def test_with_a_tokenizer_each_text_prompt_is_exactly_its_length_in_its_tokens(stand_in):
     from labkit.engine.peers import byte_level_tokenizer
 
@@ -672,6 +673,7 @@ def merging_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>")
 
 
+@pytest.mark.integration  # loads transformers (seconds to import): `make test` runs it
 def test_a_text_prompt_encodes_to_exactly_its_length_where_pieces_merge():
     from labkit.engine.peers import byte_level_tokenizer
 
@@ -688,6 +690,7 @@ def test_a_text_prompt_encodes_to_exactly_its_length_where_pieces_merge():
     assert any(num_tokens(tokenizer, text) < 7 for text in naive)  # the negative control: pieces as drawn merge
 
 
+@pytest.mark.integration  # loads transformers (seconds to import): `make test` runs it
 def test_a_tokenizer_directory_loads_offline_and_a_bad_one_says_why(tmp_path):
     from labkit.engine.peers import byte_level_tokenizer
 
@@ -767,6 +770,7 @@ def test_the_command_reads_a_csv_trace_and_sends_its_first_requests(stand_in, ca
     assert sorted(len(body["prompt"]) for _, body in stand_in.behaviour.received) == [3, 5]  # BOS first
 
 
+@pytest.mark.integration  # loads transformers (seconds to import): `make test` runs it
 def test_the_command_takes_a_tokenizer_directory_for_text_prompts(stand_in, capsys, tmp_path):
     from labkit.engine.peers import byte_level_tokenizer
 
