@@ -6,23 +6,27 @@
   (`tests/busy.py`), more than this 2-core machine has cores, so every checked cell must
   print the same on a loaded machine. Set LABKIT_IDLE_LESSONS=1 to run them on an idle
   machine instead, when debugging a lesson.
-- The test modules that start servers, browsers or other processes are marked
-  `integration`: `make check` runs the unit and property tests without them (and without
-  the lessons) in under a minute; `make test` runs everything.
+- The tests that start servers, browsers or other processes, or load transformers (an oracle
+  or a tokenizer: seconds to import), are marked `integration`: whole modules here, single
+  tests where they are defined. `make check` runs the unit and property tests without them
+  (and without the lessons), and does not even import the modules named here; `make test`
+  runs everything.
 """
 
 import os
+import sys
 
 import pytest
 
 from tests.busy import start_busy_loops, stop, times_the_engine
 
 BUSY_LOOPS = pytest.StashKey()
-INTEGRATION = {  # test modules that start servers, browsers or other processes
-    "test_browser.py", "test_busy_core.py", "test_bench_peers.py", "test_html_export.py", "test_make_student.py",
-    "test_replay_transformers_serve.py", "test_serve.py", "test_serve_checkpoint.py", "test_serve_hardening.py",
-    "test_vllm.py",
+INTEGRATION = {  # test modules that start servers, browsers or other processes, or load transformers
+    "test_browser.py", "test_busy_core.py", "test_bench_peers.py", "test_checkpoint.py", "test_hf_oracle.py",
+    "test_html_export.py", "test_make_student.py", "test_peers_module.py", "test_replay_transformers_serve.py",
+    "test_serve.py", "test_serve_checkpoint.py", "test_serve_hardening.py", "test_vllm.py",
 }
+LEAVE_OUT_INTEGRATION = "not integration"  # `make check`'s -m
 
 
 def pytest_collectstart(collector):
@@ -30,10 +34,26 @@ def pytest_collectstart(collector):
         collector.skip_compare += ("application/vnd.plotly.v1+json", "text/html")
 
 
+def pytest_ignore_collect(collection_path, config):
+    """Under `-m "not integration"`, skip the integration modules before they are imported."""
+    if config.getoption("markexpr") == LEAVE_OUT_INTEGRATION and collection_path.name in INTEGRATION:
+        return True
+    return None
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.path.name in INTEGRATION:
             item.add_marker(pytest.mark.integration)
+
+
+def pytest_collection_finish(session):
+    """One torch thread for the tests' own tensors, which are tiny: a second thread only spins, and
+    on a 2-core machine shared with other work it made a property test of attention 6 times slower.
+    An `Engine` sets its own thread count while it runs, as it does everywhere."""
+    torch = sys.modules.get("torch")  # imported by the test modules that use it, never here
+    if torch is not None:
+        torch.set_num_threads(1)
 
 
 def pytest_runtest_setup(item):

@@ -45,14 +45,18 @@ def shapes(draw, num_slots):
 
 
 @st.composite
-def knobs(draw, kinds=(lk.Continuous,)):
+def knobs(draw, kinds=(lk.Continuous,), num_blocks=st.one_of(st.none(), st.integers(8, 40))):
     """A Continuous-like policy (or Priority, ShortestPredictedFirst) with every knob drawn."""
     kind = draw(st.sampled_from(kinds))
-    extra = {"noise": draw(st.sampled_from([0.0, 0.5, 2.0]))} if kind is lk.ShortestPredictedFirst else {}
+    extra = {}
+    if kind is lk.ShortestPredictedFirst:
+        extra["noise"] = draw(st.sampled_from([0.0, 0.5, 2.0]))
+    if kind is lk.Priority:
+        extra["preempt_for_waiting"] = draw(st.booleans())
     num_slots = draw(st.integers(1, 5))
     return kind(
         num_slots,
-        num_blocks=draw(st.one_of(st.none(), st.integers(8, 40))),
+        num_blocks=draw(num_blocks),
         block_size=draw(st.integers(1, 6)),
         max_tokens_per_step=draw(st.one_of(st.none(), st.integers(1, 40))),
         chunked_prefill=draw(st.booleans()),
@@ -62,3 +66,27 @@ def knobs(draw, kinds=(lk.Continuous,)):
         min_shape_fill=draw(st.sampled_from([0.0, 0.5, 1.0])),
         **extra,
     )
+
+
+@st.composite
+def static_knobs(draw, kinds=(lk.Static, lk.Dynamic), num_blocks=st.one_of(st.none(), st.integers(8, 40))):
+    """A Static or Dynamic policy with every knob drawn: slots, pool, shape, padded rows, timeout."""
+    kind = draw(st.sampled_from(kinds))
+    extra = {"timeout": draw(st.sampled_from([0.0, 0.5, 3.0]))} if kind is lk.Dynamic else {}
+    num_slots = draw(st.integers(1, 5))
+    return kind(
+        num_slots,
+        num_blocks=draw(num_blocks),
+        block_size=draw(st.integers(1, 6)),
+        shape=draw(shapes(num_slots)),
+        drop_finished=draw(st.booleans()),
+        **extra,
+    )
+
+
+KINDS = (lk.Static, lk.Dynamic, lk.Continuous, lk.Priority, lk.ShortestPredictedFirst)  # every policy labkit ships
+
+
+def policies_of(kind, num_blocks=st.one_of(st.none(), st.integers(8, 40))):
+    """A policy of `kind` (one of KINDS) with every knob drawn."""
+    return (static_knobs if issubclass(kind, lk.Static) else knobs)(kinds=(kind,), num_blocks=num_blocks)

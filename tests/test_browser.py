@@ -46,7 +46,7 @@ FINAL_COUNTERS = {
     "static": "Static: step 23 of 23 · 32 tokens · utilization 69.6% · 0 waiting",
     "continuous": "Continuous: step 17 of 17 · 32 tokens · utilization 94.1% · 0 waiting",
 }
-STEP_BUDGET_MS = 2_000  # generous: the goal is 100 ms, but this machine is shared and noisy
+STEP_GOAL_MS = 100  # printed beside the measured time; asserted nowhere, since a loaded machine takes longer
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="Playwright for Python is not installed")
 pytestmark = [
@@ -194,6 +194,15 @@ STEP_AND_TIME_JS = """async ([button, counter, figure]) => {
 }"""
 
 
+MARK_JS = """selector => {
+    // Mark the elements `selector` finds, so a later look can tell whether they were replaced.
+    const found = document.querySelectorAll(selector);
+    found.forEach(element => { element.labkitMark = true; });
+    return found.length;
+}"""
+COUNT_MARKED_JS = "selector => [...document.querySelectorAll(selector)].filter(el => el.labkitMark === true).length"
+
+
 def counter_text(page, policy: str) -> str:
     return page.inner_text(f".labkit-counter-{policy}")
 
@@ -254,17 +263,22 @@ def test_lesson_01_runs_and_the_stepper_plays_in_jupyterlab(lab, page):
     screenshot(page, "jupyterlab-lesson-01")
 
 
-def test_one_step_of_the_stepper_takes_well_under_two_seconds(lab, page, capsys):
+def test_a_step_of_the_stepper_redraws_its_figures_in_place(lab, page, capsys):
+    """Each press redraws the counter and the bars (time_steps waits for both) without building a
+    figure again: the figures' elements are the ones marked before the first press. The time a step
+    takes is printed, not asserted."""
     page.goto(f"{lab}/lab/tree/{LESSON.name}")
     page.wait_for_function("window.jupyterapp?.shell.currentWidget?.sessionContext?.session?.kernel")
     page.evaluate("window.jupyterapp.commands.execute('notebook:run-all-cells')")
     wait_for_counters(page, FINAL_COUNTERS)
+    figures = ".labkit-figure-static, .labkit-figure-continuous"
+    assert page.evaluate(MARK_JS, figures) == 2
     milliseconds = time_steps(page, "step-back", 9) + time_steps(page, "step-forward", 9)
-    median = statistics.median(milliseconds)
     with capsys.disabled():
-        print(f"\nstepper: one step in the browser takes {median:.0f} ms (median of {len(milliseconds)}; goal 100 ms)")
+        print(f"\nstepper: one step in the browser takes {statistics.median(milliseconds):.0f} ms "
+              f"(median of {len(milliseconds)}; goal {STEP_GOAL_MS} ms)")
     assert counter_text(page, "static") == FINAL_COUNTERS["static"]
-    assert median < STEP_BUDGET_MS
+    assert page.evaluate(COUNT_MARKED_JS, figures) == 2  # neither figure was built again
 
 
 # Voilà ----------------------------------------------------------------------------------------------

@@ -127,6 +127,7 @@ def test_help_describes_every_option(capsys):
         assert option in out
 
 
+@pytest.mark.integration  # starts a process
 def test_python_dash_m_runs_the_toy_demo():
     result = subprocess.run(
         [sys.executable, "-m", "labkit", "demo", "--trace", "toy", "--slots", "2", "--no-progress", "--threads", "1"],
@@ -138,6 +139,7 @@ def test_python_dash_m_runs_the_toy_demo():
     assert (rows["static"][0], rows["continuous"][0]) == ("23", "17")
 
 
+@pytest.mark.integration  # exports a lesson with nbconvert, as tests/test_html_export.py does
 @pytest.mark.filterwarnings("ignore:Your element with mimetype.*vnd.plotly:UserWarning")
 def test_export_html_writes_a_page_with_plotly_inside(tmp_path, capsys):
     target = tmp_path / "lesson01.html"

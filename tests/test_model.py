@@ -179,6 +179,7 @@ def test_default_config():
     assert (config.max_seq_len, config.rope_theta, config.norm_eps, config.head_dim) == (2048, 10000.0, 1e-5, 64)
 
 
+@pytest.mark.integration  # starts a process that imports torch
 def test_importing_the_model_does_not_import_transformers():
     code = "import sys, labkit.engine.config, labkit.engine.model, labkit.engine.kv; print('transformers' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"

@@ -228,8 +228,10 @@ def test_a_request_beyond_max_waiting_gets_a_503_and_the_rest_are_served():
     assert after.status_code == 200  # the queue drained: the next request is served
 
 
-def exchange(url: str, data: bytes, seconds: float = 5.0) -> tuple[bytes, float]:
-    """Send `data` on a new connection and read until the server closes it: (its answer, seconds taken)."""
+def exchange(url: str, data: bytes, seconds: float = 30.0) -> tuple[bytes, float]:
+    """Send `data` on a new connection and read until the server closes it: (its answer, seconds taken).
+    A server that keeps it open longer than `seconds`, far beyond any timeout the tests set, raises
+    socket.timeout: so a test needs no upper bound on the time taken."""
     host, port = url.removeprefix("http://").split(":")
     started = time.monotonic()
     with socket.create_connection((host, int(port)), timeout=seconds) as connection:
@@ -243,23 +245,23 @@ def exchange(url: str, data: bytes, seconds: float = 5.0) -> tuple[bytes, float]
 def test_half_sent_requests_and_idle_connections_are_closed_after_the_read_timeout(guarded):
     for half_sent in (b"", b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"):
         answer, seconds = exchange(guarded.url, half_sent)
-        assert answer == b"" and 0.4 < seconds < 3  # closed by the server, after --read-timeout 0.5 s
+        assert answer == b"" and seconds > 0.4  # closed by the server, after --read-timeout 0.5 s
     head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\nContent-Length: 100\r\n\r\n"
     answer, seconds = exchange(guarded.url, head.encode() + b'{"model": ')
-    assert answer.startswith(b"HTTP/1.1 408 ") and 0.4 < seconds < 3
+    assert answer.startswith(b"HTTP/1.1 408 ") and seconds > 0.4
     assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["message"] == "the body did not arrive within 0.5 s"
-    answer, seconds = exchange(guarded.url, b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-    assert answer.startswith(b"HTTP/1.1 200 ") and seconds < 0.4  # the control: a whole request is answered
+    answer, _ = exchange(guarded.url, b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 200 ")  # the control: a whole request is answered, not timed out
 
 
 def test_a_connection_beyond_max_connections_is_closed_at_once():
-    server = Served(limits=Limits(max_connections=3, read_timeout=5, shutdown_grace=0.5))
+    server = Served(limits=Limits(max_connections=3, read_timeout=120, shutdown_grace=0.5))
     host, port = server.url.removeprefix("http://").split(":")
     held = [socket.create_connection((host, int(port))) for _ in range(3)]
     try:
         assert wait_until(lambda: len(server.server.server_state.connections) == 3)
-        answer, seconds = exchange(server.url, b"")
-        assert answer == b"" and seconds < 2  # closed when accepted, not after the 5 s read timeout
+        answer, _ = exchange(server.url, b"")  # gives up after 30 s: the read timeout is 120 s
+        assert answer == b""  # closed when accepted
     finally:
         for connection in held:
             connection.close()
@@ -331,8 +333,8 @@ def test_limits_refuse_what_a_server_cannot_honour(field, value, message):
 def test_a_body_over_the_limit_is_a_413_before_it_is_read(guarded):
     head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
             "Content-Type: application/json\r\n")
-    answer, seconds = exchange(guarded.url, f"{head}Content-Length: 100000000\r\n\r\n".encode())
-    assert answer.startswith(b"HTTP/1.1 413 ") and seconds < 2  # from the declared length: nothing read
+    answer, _ = exchange(guarded.url, f"{head}Content-Length: 100000000\r\n\r\n".encode())
+    assert answer.startswith(b"HTTP/1.1 413 ")  # from the declared length, not a 408 after waiting for the body
     assert json.loads(answer.split(b"\r\n\r\n", 1)[1]) == {
         "object": "error", "message": f"the body is 100000000 bytes; this server takes at most {BODY_LIMIT}",
         "type": "RequestTooLargeError", "param": None, "code": 413}
