@@ -196,7 +196,8 @@ class BlockDecodeGroup:
 
     rows: (D,) long, their rows among the step's T tokens.
     blocks: (D, nb) long, each one's first nb block ids (table padding past its context: masked).
-    key_mask: (D, 1, 1, nb * block_size) bool, True on a real context position.
+    key_mask: (D, 1, 1, L) bool, True on a real context position; L <= nb * block_size, the padded
+    length a DecodeGroup of the same requests has, so that attention sees the same numbers.
     """
 
     rows: torch.Tensor
@@ -208,17 +209,17 @@ class BlockDecodeGroup:
         nkv, hs = k_cache.shape[1:]
         k_blocks, v_blocks = (c.view(-1, self.block_size, nkv, hs) for c in (k_cache, v_cache))  # (blocks, bs, nkv, hs)
         k_d, v_d = gather_keys_and_values(k_blocks, v_blocks, self.blocks, scratch)  # (D, nb, bs, nkv, hs) each
-        return attend_decodes(q, self.rows, k_d.flatten(1, 2), v_d.flatten(1, 2), self.key_mask)
+        padded_len = self.key_mask.shape[-1]
+        return attend_decodes(q, self.rows, k_d.flatten(1, 2)[:, :padded_len], v_d.flatten(1, 2)[:, :padded_len],
+                              self.key_mask)  # keys and values (D, L, nkv, hs)
 
 
 def block_decode_group(rows: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
-                       longest: int) -> BlockDecodeGroup:
-    """The block group of D one-token requests; block_tables (D, max_blocks), context_lens (D,), the
-    longest of them `longest` tokens."""
-    num_blocks = -(-longest // block_size)
-    positions = torch.arange(num_blocks * block_size, device=rows.device)  # (L,)
-    key_mask = positions[None, :] < context_lens[:, None]  # (D, L)
-    return BlockDecodeGroup(rows, block_tables[:, :num_blocks], key_mask[:, None, None, :], block_size)
+                       padded_len: int) -> BlockDecodeGroup:
+    """The block group of D one-token requests; block_tables (D, max_blocks), context_lens (D,)."""
+    key_mask = torch.arange(padded_len, device=rows.device)[None, :] < context_lens[:, None]  # (D, L)
+    return BlockDecodeGroup(rows, block_tables[:, : -(-padded_len // block_size)], key_mask[:, None, None, :],
+                            block_size)
 
 
 MAX_WASTE = 0.25  # a decode group pads at most this fraction of its real context tokens ...
@@ -289,14 +290,17 @@ class _StepRequests:
         """The one-token requests, bucketed by context (`bucket_by_context`)."""
         return bucket_by_context([i for i, n in enumerate(self.num_new) if n == 1], self.context_lens)
 
-    def group(self, requests: list[int], make=decode_group):
-        """`make(rows, tables, context_lens, block_size, longest)` for these one-token requests: by default
-        a DecodeGroup."""
+    def group(self, requests: list[int], make=decode_group, padded_len: int | None = None):
+        """`make(rows, tables, context_lens, block_size, padded_len)` for these one-token requests (by default
+        a DecodeGroup), padded to their longest context unless `padded_len` is given."""
         device = self.block_tables.device
         lens = torch.tensor([self.context_lens[i] for i in requests], device=device)  # (D,)
         rows = torch.tensor([self.first_rows[i] for i in requests], device=device)  # (D,)
         tables = self.block_tables.index_select(0, torch.tensor(requests, device=device))  # (D, max_blocks)
-        return make(rows, tables, lens, self.block_size, max(self.context_lens[i] for i in requests))
+        return make(rows, tables, lens, self.block_size, padded_len or self.longest(requests))
+
+    def longest(self, requests: list[int]) -> int:
+        return max(self.context_lens[i] for i in requests)
 
 
 def plan_attention(layout: str, num_new: list[int], context_lens: list[int], block_tables: torch.Tensor,
@@ -316,20 +320,15 @@ def plan_attention(layout: str, num_new: list[int], context_lens: list[int], blo
 def plan_block_attention(num_new: list[int], context_lens: list[int], block_tables: torch.Tensor, block_size: int,
                          scratch: GatherScratch | None = None, max_entries: int | None = None) -> BatchedAttention:
     """`plan_attention`'s batched layout with its decode groups gathered by whole blocks, each group cut, in
-    step order, into chunks of requests whose padded contexts hold at most `max_entries` cache entries
-    (None, or one request over it: a chunk of one)."""
+    step order, into chunks of requests that gather at most `max_entries` cache entries in all (None: no
+    cut; at least one request a chunk). A chunk pads to its whole group's longest context, as the group's
+    one call would."""
     step = _StepRequests(num_new, context_lens, block_tables, block_size)
-    chunks = [chunk for requests in step.decode_buckets()
-              for chunk in _cut(requests, _padded_entries(requests, context_lens, block_size), max_entries)]
-    return BatchedAttention([step.group(chunk, block_decode_group) for chunk in chunks], step.multi_token(), scratch)
-
-
-def _padded_entries(requests: list[int], context_lens: list[int], block_size: int) -> int:
-    """The cache entries a block group gathers per request: its longest context, in whole blocks."""
-    return -(-max(context_lens[i] for i in requests) // block_size) * block_size
-
-
-def _cut(requests: list[int], entries_each: int, max_entries: int | None) -> list[list[int]]:
-    """`requests` in consecutive chunks of at most max_entries // entries_each of them (at least one)."""
-    size = len(requests) if max_entries is None else max(1, max_entries // entries_each)
-    return [requests[start : start + size] for start in range(0, len(requests), size)]
+    groups = []
+    for requests in step.decode_buckets():
+        padded_len = step.longest(requests)
+        gathered = -(-padded_len // block_size) * block_size  # entries a request gathers: whole blocks
+        size = len(requests) if max_entries is None else max(1, max_entries // gathered)
+        groups += [step.group(requests[start : start + size], block_decode_group, padded_len)
+                   for start in range(0, len(requests), size)]
+    return BatchedAttention(groups, step.multi_token(), scratch)

@@ -22,9 +22,8 @@ Invariants:
 
 - it holds the TinyGPT's own parameters, no copies: a weight loaded into the model is the
   weight this path uses;
-- on float32, every step's logits equal `TinyGPT.forward`'s bit for bit when the layout is
-  "per_request", and to float rounding when it is "batched" (a block group pads to whole
-  blocks, so attention may sum its zeros in another order); greedy tokens are the same
+- on float32, every step's logits and every key and value it writes equal `TinyGPT.forward`'s,
+  bit for bit, in either attention layout, so its greedy tokens are the same
   (`tests/test_fused.py`);
 - `logits` takes any attention plan, as `TinyGPT.logits` does, so CUDA graphs
   (`labkit.engine.cuda_graphs`) capture this path as they capture TinyGPT's.
