@@ -2,29 +2,35 @@
 
 `TinyGPT.forward` (`labkit.engine.model`) is the step a student reads: a module for each
 part, each norm written out. The engine runs this one by default (`Engine(fused=True)`),
-and `bench_token_time.py` shows where the time it saves went. The same arithmetic, in
-the same order, with three changes, each where that benchmark measured the time:
+and `benchmarks/bench_token_time.py` shows where the time it saves went. The same
+arithmetic, in the same order, with four changes, each where that benchmark measured time:
 
 - attention: a decode group's keys and values are gathered from the paged cache by whole
   blocks (16 entries a copy, not one), in chunks of requests whose keys and values stay in
   the CPU's caches (`labkit.engine.attention.plan_block_attention`), so attention reads its
   copy from the cache instead of from memory; requests with several new tokens attend as in
   TinyGPT;
+- GEMMs: each projection's weight is kept transposed, (in, out), and multiplied as
+  `x @ w`: the same products, which MKL's GEMM reads faster than (out, in) when x has few
+  rows, as a decode step's x has;
 - norms: torch's own RMSNorm (`F.rms_norm`), one call instead of eight;
-- dispatches: each layer calls `F.linear` on its weights directly (no module call per
-  projection), the rotary tables are shaped for the heads once a step, not once a layer,
-  and the residual stream is added to in place.
+- dispatches: no module call per part, the rotary tables shaped for the heads once a step,
+  not once a layer, and the residual stream added to in place.
 
 The projections were already fused in TinyGPT (q, k and v in one `qkv_proj`, gate and up
 in one `gate_up_proj`), so both paths make the same GEMMs.
 
 Invariants:
 
-- it holds the TinyGPT's own parameters, no copies: a weight loaded into the model is the
-  weight this path uses;
-- on float32, every step's logits and every key and value it writes equal `TinyGPT.forward`'s,
-  bit for bit, in either attention layout, so its greedy tokens are the same
-  (`tests/test_fused.py`);
+- it computes with the weights the TinyGPT has when it is built: the norms' are the
+  model's own tensors, the projections' transposed copies (the Engine builds one for each
+  run, after its weights are loaded);
+- on float32, a step's logits, and the keys and values it writes, equal `TinyGPT.forward`'s
+  within 1e-5, and its greedy tokens are the same wherever the top two logits are further
+  apart than that (`tests/test_fused.py`). Not always bit for bit: for 1 to 3 rows, MKL's
+  GEMM rounds otherwise for the transposed layout, and torch's CPU attention rounds
+  otherwise for a chunk than for its whole group; from 4 rows up with no group cut, they
+  are the same bits on this machine;
 - `logits` takes any attention plan, as `TinyGPT.logits` does, so CUDA graphs
   (`labkit.engine.cuda_graphs`) capture this path as they capture TinyGPT's.
 """
@@ -43,16 +49,22 @@ from labkit.engine.model import DecoderLayer, StepBatch, TinyGPT, rotate
 CHUNK_BYTES = 4 << 20  # keys and values one decode chunk gathers: measured best between 1 and 8 MiB on a 2-core EPYC
 
 
+def transposed(weight: torch.Tensor) -> torch.Tensor:
+    """A linear layer's (out, in) weight as an (in, out) copy: `x @ transposed(w)` is `F.linear(x, w)`,
+    and MKL's GEMM reads this layout faster when x has few rows."""
+    return weight.detach().t().contiguous()
+
+
 @dataclass(frozen=True)
 class FusedLayer:
-    """One decoder layer's weights, called without a module per part."""
+    """One decoder layer's weights, its projections' transposed, called without a module per part."""
 
     input_norm: torch.Tensor  # (C,)
-    qkv: torch.Tensor  # (nh·hs + 2·nkv·hs, C)
-    o: torch.Tensor  # (C, nh·hs)
+    qkv: torch.Tensor  # (C, nh·hs + 2·nkv·hs)
+    o: torch.Tensor  # (nh·hs, C)
     post_norm: torch.Tensor  # (C,)
-    gate_up: torch.Tensor  # (2·d_ff, C)
-    down: torch.Tensor  # (C, d_ff)
+    gate_up: torch.Tensor  # (C, 2·d_ff)
+    down: torch.Tensor  # (d_ff, C)
     n_heads: int
     n_kv_heads: int
     eps: float
@@ -60,21 +72,22 @@ class FusedLayer:
     @classmethod
     def of(cls, layer: DecoderLayer) -> FusedLayer:
         attention, mlp = layer.self_attn, layer.mlp
-        return cls(layer.input_layernorm.weight, attention.qkv_proj.weight, attention.o_proj.weight,
-                   layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight,
+        return cls(layer.input_layernorm.weight, transposed(attention.qkv_proj.weight),
+                   transposed(attention.o_proj.weight), layer.post_attention_layernorm.weight,
+                   transposed(mlp.gate_up_proj.weight), transposed(mlp.down_proj.weight),
                    attention.n_heads, attention.n_kv_heads, layer.input_layernorm.eps)
 
     def __call__(self, x, cos, signed_sin, write_entries, k_cache, v_cache, attention) -> torch.Tensor:
         """x: (T, C), changed in place and returned; cos, signed_sin: (T, 1, hs)."""
         (T, C), nh, nkv = x.shape, self.n_heads, self.n_kv_heads
-        qkv = F.linear(F.rms_norm(x, (C,), self.input_norm, self.eps), self.qkv).view(T, nh + 2 * nkv, -1)
+        qkv = (F.rms_norm(x, (C,), self.input_norm, self.eps) @ self.qkv).view(T, nh + 2 * nkv, -1)
         qk = rotate(qkv[:, : nh + nkv], cos, signed_sin)  # (T, nh + nkv, hs): q and k at once
         k_cache.index_copy_(0, write_entries, qk[:, nh:])  # (T, nkv, hs)
         v_cache.index_copy_(0, write_entries, qkv[:, nh + nkv :])  # (T, nkv, hs)
         y = attention(qk[:, :nh], k_cache, v_cache)  # (T, nh, hs)
-        x += F.linear(y.reshape(T, -1), self.o)
-        gate, up = F.linear(F.rms_norm(x, (C,), self.post_norm, self.eps), self.gate_up).chunk(2, dim=-1)  # (T, d_ff)
-        x += F.linear(F.silu(gate) * up, self.down)
+        x += y.reshape(T, -1) @ self.o
+        gate, up = (F.rms_norm(x, (C,), self.post_norm, self.eps) @ self.gate_up).chunk(2, dim=-1)  # (T, d_ff) each
+        x += (F.silu(gate) * up) @ self.down
         return x
 
 
@@ -89,6 +102,7 @@ class FusedTinyGPT:
         self.model, self.config = model, model.config
         self.layers = [FusedLayer.of(layer) for layer in model.model.layers]
         self.norm = model.model.norm
+        self.lm_head = transposed(model.lm_head.weight)  # (C, vocab)
         self.scratch = GatherScratch()
         entry_bytes = 2 * self.config.kv_heads * self.config.head_dim * model.lm_head.weight.element_size()  # k and v
         on_cpu = model.lm_head.weight.device.type == "cpu"
@@ -116,4 +130,4 @@ class FusedTinyGPT:
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, signed_sin, write_entries, *cache.layer(i), attention)
         last = x.index_select(0, last_rows)  # (R, C)
-        return F.linear(F.rms_norm(last, last.shape[1:], self.norm.weight, self.norm.eps), self.model.lm_head.weight)
+        return F.rms_norm(last, last.shape[1:], self.norm.weight, self.norm.eps) @ self.lm_head  # (R, vocab)
