@@ -258,8 +258,15 @@ def streams_section(servers: dict[int, dict], directory: str, repeats: int) -> d
         for n, by_name in servers.items():
             runs[n].append(measure_streams(n, *engines[n], by_name, directory))
             print(f"{n} streams", {name: round(r["tokens_per_s"]) for name, r in runs[n][-1].items()}, flush=True)
-    return {"streams": {"prompt_tokens": STREAM_PROMPT, "new_tokens": STREAM_TOKENS, "knobs": " ".join(STREAM_KNOBS),
-                        "by_streams": streams_summary(runs)}}
+    return {"streams": {**when(), "prompt_tokens": STREAM_PROMPT, "new_tokens": STREAM_TOKENS,
+                        "knobs": " ".join(STREAM_KNOBS), "by_streams": streams_summary(runs)}}
+
+
+def when() -> dict:
+    """The day a section ran, what ran it, and the machine's load then."""
+    return {"date": datetime.date.today().isoformat(), "processor": platform.machine(), "cpus": os.cpu_count(),
+            "load_average": round(os.getloadavg()[0], 2), "torch": torch.__version__,
+            "transformers": transformers.__version__}
 
 
 def main() -> None:
@@ -278,13 +285,11 @@ def main() -> None:
         lesson = started.for_lesson(with_vllm) if "lesson" in args.sections else {}
         streams = started.for_streams(with_vllm) if "streams" in args.sections else {}
         started.wait_until_healthy()
-        if lesson:
-            result.update(lesson_section(lesson, directory, args.repeats))
+        if lesson:  # the lesson's section keeps its fields at the top, where lesson 09 reads them
+            result.update({**when(), **lesson_section(lesson, directory, args.repeats)})
         if streams:
             result.update(streams_section(streams, directory, args.repeats))
-    result.update({"date": datetime.date.today().isoformat(), "processor": platform.machine(),
-                   "cpus": os.cpu_count(), "torch": torch.__version__, "transformers": transformers.__version__,
-                   "vllm": vllm_version() if with_vllm else None})
+    result["vllm"] = vllm_version() if with_vllm else None
     RESULTS.mkdir(exist_ok=True)
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({key: result[key] for key in ("range", "streams") if key in result}, indent=2))
