@@ -23,11 +23,12 @@ then called once per layer. DESIGN.md records the measurements behind the choice
 
 The engine's fast path (`labkit.engine.fused`) plans the batched layout with one change
 (`plan_block_attention`): a decode group gathers its keys and values by whole blocks
-(`BlockDecodeGroup`: block_size entries a copy, the padding past a context masked as
-before), in chunks of requests whose gathered keys and values fit a core's cache, so the
-copy is still there when attention reads it. On a CPU a decode step's keys and values
-outgrow the last-level cache past a few requests; gathered all at once they go out to
-memory and are read back.
+(`BlockDecodeGroup`: block_size entries a copy, attended over the same padded length as
+before), in chunks of requests that gather at most a few MiB (`labkit.engine.fused.CHUNK_BYTES`),
+so the copy is still in the CPU's caches when attention reads it. A served run takes its
+blocks in turn, so a request's blocks lie scattered through the pool, and a decode step's
+keys and values (37 MB at 32 requests of 145 tokens) outgrow the last-level cache; gathered
+all at once they go out to memory and are read back.
 
 Grouped-query attention: the cache holds nkv key/value heads, and query head h reads key/value
 head h // g, for g = nh / nkv (HF's `repeat_kv` order). A decode group views its queries as
@@ -39,7 +40,8 @@ Invariants:
 - a query at position p of request r reads exactly r's cache entries for positions 0..p;
 - padding is masked, never read into a result: the two layouts give the same values;
 - in a planned step, every one-token request is in exactly one decode group, and no group
-  pads more than the waste bound allows (a block group: the bound, then up to its last block);
+  pads more than the waste bound allows (a block group gathers up to its last block, and
+  attends over the same padded length as the group it was cut from);
 - planning reads nothing back from the device; a plan holds only index tensors and masks.
 """
 

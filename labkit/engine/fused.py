@@ -46,7 +46,7 @@ from labkit.engine.attention import GatherScratch, plan_attention, plan_block_at
 from labkit.engine.kv import PagedKVCache
 from labkit.engine.model import DecoderLayer, StepBatch, TinyGPT, rotate
 
-CHUNK_BYTES = 4 << 20  # keys and values one decode chunk gathers: measured best between 1 and 8 MiB on a 2-core EPYC
+CHUNK_BYTES = 4 << 20  # keys and values a decode chunk gathers: the fastest of 1-16 MiB on a 2-core EPYC
 
 
 def transposed(weight: torch.Tensor) -> torch.Tensor:
@@ -57,7 +57,7 @@ def transposed(weight: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class FusedLayer:
-    """One decoder layer's weights, its projections' transposed, called without a module per part."""
+    """One decoder layer's weights (the projections' transposed), called without a module per part."""
 
     input_norm: torch.Tensor  # (C,)
     qkv: torch.Tensor  # (C, nh·hs + 2·nkv·hs)
@@ -94,8 +94,9 @@ class FusedLayer:
 class FusedTinyGPT:
     """A TinyGPT's step, called as the TinyGPT is: (batch, cache) -> (R, vocab) logits.
 
-    chunk_bytes: the most bytes of keys and values one decode chunk gathers on a CPU (None: any;
-    on other devices decode groups are not cut: a GPU's gather does not wait on a core's cache).
+    chunk_bytes: the most bytes of keys and values one decode chunk gathers on a CPU (None: groups
+    are not cut; nor are they on other devices, where a gather does not wait on a core's cache).
+    `benchmarks/bench_token_time.py --sections chunks` measures the sizes.
     """
 
     def __init__(self, model: TinyGPT, chunk_bytes: int | None = CHUNK_BYTES):
