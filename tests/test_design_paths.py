@@ -106,10 +106,12 @@ def decision_path():
     return {**calls.codes, drive.__code__: drive.__module__}
 
 
-def engine_path():
-    """Every function `Engine.run` runs serving the toy trace under lk.Continuous(num_slots=2)."""
+def engine_path(fused: bool):
+    """Every function `Engine.run` runs serving the toy trace under lk.Continuous(num_slots=2),
+    on the fast path (`FusedTinyGPT`, the default) or the plain one (`TinyGPT.forward`)."""
     with Calls() as calls:
-        Engine(TINY, device="cpu", seed=0, threads=1).run(lk.Trace.toy(), lk.Continuous(num_slots=2), progress=False)
+        Engine(TINY, device="cpu", seed=0, threads=1, fused=fused).run(lk.Trace.toy(), lk.Continuous(num_slots=2),
+                                                                      progress=False)
     return calls.codes
 
 
@@ -122,7 +124,13 @@ def stated(what: str) -> tuple[int, int]:
 
 @pytest.fixture(scope="module")
 def engine_codes():
-    return engine_path()
+    """What the plain path runs, and what the fast path runs."""
+    return {**engine_path(fused=False), **engine_path(fused=True)}
+
+
+@pytest.fixture(scope="module")
+def plain_step_codes():
+    return engine_path(fused=False)
 
 
 def test_the_reading_order_names_functions_that_exist():
@@ -133,7 +141,7 @@ def test_the_reading_order_names_functions_that_exist():
 
 
 def test_every_function_the_reading_order_names_runs_on_its_path(engine_codes):
-    """The engine's run for every name but the server's loop, which the online test runs."""
+    """The engine's run (plain or fast) for every name but the server's loop, which the online test runs."""
     off_path = [f"{file} {name}" for file, name in reading_order()
                 if not file.startswith("serve/") and code_of(resolve(file, name)) not in engine_codes]
     assert off_path == []
@@ -148,5 +156,5 @@ def test_the_decision_path_count_is_what_design_states():
     assert path_count(decision_path(), DECISION_PATH_MODULES) == stated("decision path")
 
 
-def test_the_step_path_count_is_what_design_states(engine_codes):
-    assert path_count(engine_codes, STEP_PATH_MODULES) == stated("step path")
+def test_the_step_path_count_is_what_design_states(plain_step_codes):
+    assert path_count(plain_step_codes, STEP_PATH_MODULES) == stated("step path")

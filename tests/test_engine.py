@@ -12,6 +12,7 @@ import labkit as lk
 from labkit.engine import Engine, ModelConfig
 from labkit.engine.attention import ATTENTION_LAYOUTS
 from labkit.engine.engine import sequence_lengths
+from labkit.engine.model_runner import ModelRunner
 from labkit.sched.driver import drive
 from labkit.sched.scheduler import StepOutcome, kv_pool
 
@@ -183,9 +184,8 @@ def test_on_step_sees_the_log_grow(engine):
 
 
 def test_drop_finished_computes_fewer_rows_with_the_same_schedule(engine, monkeypatch):
-    rows = []
-    forward = engine.model.forward
-    monkeypatch.setattr(engine.model, "forward", lambda batch, cache: rows.append(batch.num_requests) or forward(batch, cache))
+    rows, forward = [], ModelRunner.forward
+    monkeypatch.setattr(ModelRunner, "forward", lambda self, inputs: rows.append(inputs.num_requests) or forward(self, inputs))
     padded = engine.run(lk.Trace.toy(), lk.Static(num_slots=2), progress=False)
     padded_rows, rows[:] = sum(rows), []
     dropped = engine.run(lk.Trace.toy(), lk.Static(num_slots=2, drop_finished=True), progress=False)

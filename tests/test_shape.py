@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 import labkit as lk
 from labkit.engine import Engine, ModelConfig
 from labkit.engine.engine import sequence_lengths
+from labkit.engine.model_runner import ModelRunner
 from labkit.engine.steps import StepTimer, TimedSteps
 from labkit.sched.driver import drive
 from labkit.sched.scheduler import kv_pool
@@ -29,10 +30,9 @@ def engine():
 
 
 def rows_computed(engine, monkeypatch) -> list[int]:
-    """The rows each forward of `engine`'s model computes, appended as it runs."""
-    rows, forward = [], engine.model.forward
-    monkeypatch.setattr(engine.model, "forward",
-                        lambda batch, cache: rows.append(batch.num_requests) or forward(batch, cache))
+    """The rows each forward of `engine`'s model runner computes (either path), appended as it runs."""
+    rows, forward = [], ModelRunner.forward
+    monkeypatch.setattr(ModelRunner, "forward", lambda self, inputs: rows.append(inputs.num_requests) or forward(self, inputs))
     return rows
 
 

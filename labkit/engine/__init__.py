@@ -3,6 +3,7 @@ driven by the same policies as the simulator. Imports torch and labkit.sched."""
 
 from labkit.engine.config import ModelConfig
 from labkit.engine.device import available_devices, resolve_device
+from labkit.engine.fused import FusedTinyGPT
 from labkit.engine.kv import PagedKVCache
 from labkit.engine.model import StepBatch, TinyGPT
 from labkit.engine.model_runner import ModelRunner
@@ -10,6 +11,7 @@ from labkit.engine.engine import Engine
 
 __all__ = [
     "Engine",
+    "FusedTinyGPT",
     "ModelConfig",
     "ModelRunner",
     "PagedKVCache",

@@ -21,6 +21,15 @@ layouts do the same arithmetic:
 Both are planned once per step (`plan_attention`), from the step's block tables, and
 then called once per layer. DESIGN.md records the measurements behind the choice.
 
+The engine's fast path (`labkit.engine.fused`) plans the batched layout with one change
+(`plan_block_attention`): a decode group gathers its keys and values by whole blocks
+(`BlockDecodeGroup`: block_size entries a copy, attended over the same padded length as
+before), in chunks of requests that gather at most a few MiB (`labkit.engine.fused.CHUNK_BYTES`),
+so the copy is still in the CPU's caches when attention reads it. A served run takes its
+blocks in turn, so a request's blocks lie scattered through the pool, and a decode step's
+keys and values (37 MB at 32 requests of 145 tokens) outgrow the last-level cache; gathered
+all at once they go out to memory and are read back.
+
 Grouped-query attention: the cache holds nkv key/value heads, and query head h reads key/value
 head h // g, for g = nh / nkv (HF's `repeat_kv` order). A decode group views its queries as
 (D, nkv, g, hs), g queries against each key head, so it copies nothing; a multi-token request
@@ -31,7 +40,8 @@ Invariants:
 - a query at position p of request r reads exactly r's cache entries for positions 0..p;
 - padding is masked, never read into a result: the two layouts give the same values;
 - in a planned step, every one-token request is in exactly one decode group, and no group
-  pads more than the waste bound allows;
+  pads more than the waste bound allows (a block group gathers up to its last block, and
+  attends over the same padded length as the group it was cut from);
 - planning reads nothing back from the device; a plan holds only index tensors and masks.
 """
 
@@ -161,11 +171,17 @@ class DecodeGroup:
 
     def attend(self, q, k_cache, v_cache, scratch: GatherScratch | None) -> torch.Tensor:
         k_d, v_d = gather_keys_and_values(k_cache, v_cache, self.entries, scratch)  # (D, L, nkv, hs) each
-        (D, _, nkv, hs), nh = k_d.shape, q.shape[1]
-        q_d = q.index_select(0, self.rows).view(D, nkv, nh // nkv, hs)  # (D, nkv, g, hs)
-        k_d, v_d = k_d.transpose(1, 2), v_d.transpose(1, 2)  # (D, nkv, L, hs) each
-        y = F.scaled_dot_product_attention(q_d, k_d, v_d, attn_mask=self.key_mask)  # (D, nkv, g, hs)
-        return y.reshape(D, nh, hs)  # (D, nh, hs)
+        return attend_decodes(q, self.rows, k_d, v_d, self.key_mask)
+
+
+def attend_decodes(q, rows, k_d, v_d, key_mask) -> torch.Tensor:
+    """The queries at `rows` (D,) of q (T, nh, hs), one a request, against their gathered keys and values
+    (D, L, nkv, hs) each, under a (D, 1, 1, L) key mask: (D, nh, hs)."""
+    (D, _, nkv, hs), nh = k_d.shape, q.shape[1]
+    q_d = q.index_select(0, rows).view(D, nkv, nh // nkv, hs)  # (D, nkv, g, hs)
+    k_d, v_d = k_d.transpose(1, 2), v_d.transpose(1, 2)  # (D, nkv, L, hs) each
+    y = F.scaled_dot_product_attention(q_d, k_d, v_d, attn_mask=key_mask)  # (D, nkv, g, hs)
+    return y.reshape(D, nh, hs)  # (D, nh, hs)
 
 
 def decode_group(rows: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
@@ -174,6 +190,38 @@ def decode_group(rows: torch.Tensor, block_tables: torch.Tensor, context_lens: t
     entries = context_entries(block_tables, padded_len, block_size)  # (D, L)
     key_mask = torch.arange(padded_len, device=rows.device)[None, :] < context_lens[:, None]  # (D, L)
     return DecodeGroup(rows, entries, key_mask[:, None, None, :])
+
+
+@dataclass
+class BlockDecodeGroup:
+    """A decode group whose keys and values are gathered by whole blocks: block_size cache entries a copy.
+
+    rows: (D,) long, their rows among the step's T tokens.
+    blocks: (D, nb) long, each one's first nb block ids (table padding past its context: masked).
+    key_mask: (D, 1, 1, L) bool, True on a real context position; L <= nb * block_size, the padded
+    length a DecodeGroup of the same requests has, so that attention sees the same numbers.
+    """
+
+    rows: torch.Tensor
+    blocks: torch.Tensor
+    key_mask: torch.Tensor
+    block_size: int
+
+    def attend(self, q, k_cache, v_cache, scratch: GatherScratch | None) -> torch.Tensor:
+        nkv, hs = k_cache.shape[1:]
+        k_blocks, v_blocks = (c.view(-1, self.block_size, nkv, hs) for c in (k_cache, v_cache))  # (blocks, bs, nkv, hs)
+        k_d, v_d = gather_keys_and_values(k_blocks, v_blocks, self.blocks, scratch)  # (D, nb, bs, nkv, hs) each
+        padded_len = self.key_mask.shape[-1]
+        return attend_decodes(q, self.rows, k_d.flatten(1, 2)[:, :padded_len], v_d.flatten(1, 2)[:, :padded_len],
+                              self.key_mask)  # keys and values (D, L, nkv, hs)
+
+
+def block_decode_group(rows: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
+                       padded_len: int) -> BlockDecodeGroup:
+    """The block group of D one-token requests; block_tables (D, max_blocks), context_lens (D,)."""
+    key_mask = torch.arange(padded_len, device=rows.device)[None, :] < context_lens[:, None]  # (D, L)
+    return BlockDecodeGroup(rows, block_tables[:, : -(-padded_len // block_size)], key_mask[:, None, None, :],
+                            block_size)
 
 
 MAX_WASTE = 0.25  # a decode group pads at most this fraction of its real context tokens ...
@@ -225,6 +273,38 @@ class BatchedAttention:
         return out
 
 
+class _StepRequests:
+    """One step's requests as the planners see them: their rows, contexts and block tables."""
+
+    def __init__(self, num_new: list[int], context_lens: list[int], block_tables: torch.Tensor, block_size: int):
+        self.num_new, self.context_lens, self.block_tables, self.block_size = num_new, context_lens, block_tables, block_size
+        self.first_rows = [0, *itertools.accumulate(num_new)][:-1]
+
+    def one_request(self, i: int) -> _OneRequest:
+        entries = context_entries(self.block_tables[i : i + 1], self.context_lens[i], self.block_size)[0]  # (L,)
+        return _one_request(slice(self.first_rows[i], self.first_rows[i] + self.num_new[i]), entries)
+
+    def multi_token(self) -> list[_OneRequest]:
+        """A call of its own for each request with several new tokens."""
+        return [self.one_request(i) for i, n in enumerate(self.num_new) if n > 1]
+
+    def decode_buckets(self) -> list[list[int]]:
+        """The one-token requests, bucketed by context (`bucket_by_context`)."""
+        return bucket_by_context([i for i, n in enumerate(self.num_new) if n == 1], self.context_lens)
+
+    def group(self, requests: list[int], make=decode_group, padded_len: int | None = None):
+        """`make(rows, tables, context_lens, block_size, padded_len)` for these one-token requests (by default
+        a DecodeGroup), padded to their longest context unless `padded_len` is given."""
+        device = self.block_tables.device
+        lens = torch.tensor([self.context_lens[i] for i in requests], device=device)  # (D,)
+        rows = torch.tensor([self.first_rows[i] for i in requests], device=device)  # (D,)
+        tables = self.block_tables.index_select(0, torch.tensor(requests, device=device))  # (D, max_blocks)
+        return make(rows, tables, lens, self.block_size, padded_len or self.longest(requests))
+
+    def longest(self, requests: list[int]) -> int:
+        return max(self.context_lens[i] for i in requests)
+
+
 def plan_attention(layout: str, num_new: list[int], context_lens: list[int], block_tables: torch.Tensor,
                    block_size: int, scratch: GatherScratch | None = None) -> PerRequestAttention | BatchedAttention:
     """How one step's attention runs, request by request or batched.
@@ -233,21 +313,24 @@ def plan_attention(layout: str, num_new: list[int], context_lens: list[int], blo
     block_tables: (R, max_blocks) long, request i's block ids in row i (padding past its end).
     scratch: buffers to gather keys and values into, reused across layers and steps.
     """
-    first_rows = [0, *itertools.accumulate(num_new)][:-1]
-
-    def one_request(i: int) -> _OneRequest:
-        entries = context_entries(block_tables[i : i + 1], context_lens[i], block_size)[0]  # (L,)
-        return _one_request(slice(first_rows[i], first_rows[i] + num_new[i]), entries)
-
-    def group(requests: list[int]) -> DecodeGroup:
-        device = block_tables.device
-        lens = torch.tensor([context_lens[i] for i in requests], device=device)  # (D,)
-        rows = torch.tensor([first_rows[i] for i in requests], device=device)  # (D,)
-        tables = block_tables.index_select(0, torch.tensor(requests, device=device))  # (D, max_blocks)
-        return decode_group(rows, tables, lens, block_size, max(context_lens[i] for i in requests))
-
+    step = _StepRequests(num_new, context_lens, block_tables, block_size)
     if layout == "per_request":
-        return PerRequestAttention([one_request(i) for i in range(len(num_new))], scratch)
-    one_token = [i for i, n in enumerate(num_new) if n == 1]
-    return BatchedAttention([group(requests) for requests in bucket_by_context(one_token, context_lens)],
-                            [one_request(i) for i, n in enumerate(num_new) if n > 1], scratch)
+        return PerRequestAttention([step.one_request(i) for i in range(len(num_new))], scratch)
+    return BatchedAttention([step.group(requests) for requests in step.decode_buckets()], step.multi_token(), scratch)
+
+
+def plan_block_attention(num_new: list[int], context_lens: list[int], block_tables: torch.Tensor, block_size: int,
+                         scratch: GatherScratch | None = None, max_entries: int | None = None) -> BatchedAttention:
+    """`plan_attention`'s batched layout with its decode groups gathered by whole blocks, each group cut, in
+    step order, into chunks of requests that gather at most `max_entries` cache entries in all (None: no
+    cut; at least one request a chunk). A chunk pads to its whole group's longest context, as the group's
+    one call would."""
+    step = _StepRequests(num_new, context_lens, block_tables, block_size)
+    groups = []
+    for requests in step.decode_buckets():
+        padded_len = step.longest(requests)
+        gathered = -(-padded_len // block_size) * block_size  # entries a request gathers: whole blocks
+        size = len(requests) if max_entries is None else max(1, max_entries // gathered)
+        groups += [step.group(requests[start : start + size], block_decode_group, padded_len)
+                   for start in range(0, len(requests), size)]
+    return BatchedAttention(groups, step.multi_token(), scratch)

@@ -47,6 +47,7 @@ from labkit.checks import flag, whole_number
 from labkit.engine.config import ModelConfig
 from labkit.engine.cuda_graphs import DecodeGraphs
 from labkit.engine.device import default_threads, resolve_device, torch_threads
+from labkit.engine.fused import FusedTinyGPT
 from labkit.engine.kv import PagedKVCache
 from labkit.engine.model import TinyGPT
 from labkit.engine.model_runner import HostWork, ModelRunner, busy_python
@@ -70,12 +71,13 @@ def sequence_lengths(trace: Trace) -> np.ndarray:
     return trace.prompt_lengths + trace.output_lengths
 
 
-def _check_knobs(threads, dtype, overlap, extra_host_seconds, extra_host_work) -> None:
+def _check_knobs(threads, dtype, overlap, extra_host_seconds, extra_host_work, fused) -> None:
     """A ValueError naming the first of an Engine's knobs that has a value it cannot take."""
     whole_number("threads", threads, or_none=True)
     if dtype not in DTYPES:
         raise ValueError(f"dtype = {dtype!r}: must be one of {', '.join(DTYPES)}")
     flag("overlap", overlap)
+    flag("fused", fused)
     if isinstance(extra_host_seconds, bool) or not isinstance(extra_host_seconds, (int, float)) or not (
             0 <= extra_host_seconds < 1):
         raise ValueError(f"extra_host_seconds = {extra_host_seconds!r}: must be a number of seconds in [0, 1)")
@@ -90,7 +92,7 @@ class Engine:
     def __init__(self, config: ModelConfig | None = None, device: str = "auto", seed: int = 0,
                  model: TinyGPT | None = None, threads: int | None = None, dtype: str = "float32",
                  cuda_graphs: bool = True, overlap: bool = False, extra_host_seconds: float = 0.0,
-                 extra_host_work: HostWork = busy_python):
+                 extra_host_work: HostWork = busy_python, fused: bool = True):
         """threads: torch's intra-op CPU threads while the engine works; by default every
         CPU but one (`labkit.engine.device.default_threads` says why).
         dtype: "float32" (the default, for exact comparisons), "bfloat16" or "float16".
@@ -102,8 +104,10 @@ class Engine:
         extra_host_work: what that work is (`labkit.engine.model_runner`): `busy_python` (the
         default) holds a core and the interpreter lock, `busy_native` a core only,
         `sleep_holding_lock` the lock only, `time.sleep` neither.
+        fused: run steps on `labkit.engine.fused.FusedTinyGPT`, the same arithmetic in fewer torch calls
+        (False: on `TinyGPT.forward`, the plain path).
         """
-        _check_knobs(threads, dtype, overlap, extra_host_seconds, extra_host_work)
+        _check_knobs(threads, dtype, overlap, extra_host_seconds, extra_host_work, fused)
         self.device = resolve_device(device)
         self.dtype_name, self.dtype = dtype, DTYPES[dtype]
         self.model = (model or TinyGPT(config or ModelConfig(), seed=seed)).to(self.device, self.dtype).eval()
@@ -114,13 +118,14 @@ class Engine:
         self.overlap = overlap
         self.extra_host_seconds = float(extra_host_seconds)
         self.extra_host_work = extra_host_work
+        self.fused = fused
 
     def __repr__(self) -> str:
         extra = f", extra_host_seconds={self.extra_host_seconds}" if self.extra_host_seconds else ""
         if self.extra_host_work is not busy_python:
             extra += f", extra_host_work={getattr(self.extra_host_work, '__name__', self.extra_host_work)}"
         return (f"Engine({self.config}, device={str(self.device)!r}, seed={self.seed}, threads={self.threads}, "
-                f"dtype={self.dtype_name!r}, cuda_graphs={self.cuda_graphs}, overlap={self.overlap}{extra})")
+                f"dtype={self.dtype_name!r}, cuda_graphs={self.cuda_graphs}, overlap={self.overlap}, fused={self.fused}{extra})")
 
     def prompt_ids(self, request_id: int, prompt_len: int) -> list[int]:
         """The begin-of-sequence token and `prompt_len` prompt ids drawn from (seed, request id)."""
@@ -156,8 +161,9 @@ class Engine:
         if the engine uses them; `kind`: `ModelRunner`, or the overlapped engine's `LaneRunner`,
         given its `options`."""
         cache = PagedKVCache(self.config, blocks.num_blocks, blocks.block_size, self.device, self.dtype)
-        graphs = DecodeGraphs(self.model, cache) if self.cuda_graphs else None
-        return kind(self.model, cache, graphs, self.extra_host_seconds, self.extra_host_work, **options)
+        model = FusedTinyGPT(self.model) if self.fused else self.model
+        graphs = DecodeGraphs(model, cache) if self.cuda_graphs else None
+        return kind(model, cache, graphs, self.extra_host_seconds, self.extra_host_work, **options)
 
     def prompt(self, trace: Trace, index: int) -> list[int]:
         """BOS and the prompt of the request at `index` in `trace`: the trace's ids if it has them,
