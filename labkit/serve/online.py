@@ -71,13 +71,28 @@ class Stream:
         self.last_sent_at: float | None = None
 
     def put(self, item: int | str) -> None:
-        """From the engine's thread: queue `item` for the reader (dropped if the reader's event
-        loop has closed: nobody is left to read it)."""
-        if not self.loop.is_closed():
-            self.loop.call_soon_threadsafe(self.items.put_nowait, item)
+        """From the engine's thread: queue `item` for the reader."""
+        hand_over([(self, item)])
 
     async def get(self) -> int | str:
         return await self.items.get()
+
+
+def hand_over(items: list[tuple[Stream, int | str]]) -> None:
+    """From the engine's thread: queue each (stream, item) for its reader, in order, waking each
+    reader's event loop once for them all (an item whose loop has closed is dropped: nobody is
+    left to read it)."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Stream, int | str]]] = {}
+    for stream, item in items:
+        by_loop.setdefault(stream.loop, []).append((stream, item))
+    for loop, pairs in by_loop.items():
+        if not loop.is_closed():
+            loop.call_soon_threadsafe(_put_each, pairs)
+
+
+def _put_each(pairs: list[tuple[Stream, int | str]]) -> None:
+    for stream, item in pairs:
+        stream.items.put_nowait(item)
 
 
 class OnlineEngine:
@@ -249,15 +264,16 @@ class OnlineEngine:
         has finished; count the step's preemptions."""
         if self.metrics:
             self.metrics.preemptions.inc(len(record.preempted))
-        moment = self.now()
+        moment, handed = self.now(), []
         for request, _ in batch.rows:
             stream = self._streams[request.id]
-            for token in request.output_ids[stream.num_sent :]:
+            for token in request.token_ids[request.num_prompt_tokens + stream.num_sent :]:  # its outputs not sent
                 self._observe(request, stream, moment)
-                stream.put(token)
+                handed.append((stream, token))
             if request.is_finished:
                 del self._streams[request.id]
-                stream.put(request.finish_reason)
+                handed.append((stream, request.finish_reason))
+        hand_over(handed)
         self.step_sizes.append(batch.size)
         self._publish_state()
 
