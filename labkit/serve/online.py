@@ -38,6 +38,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 
@@ -80,13 +81,12 @@ class Stream:
 
 def hand_over(items: list[tuple[Stream, int | str]]) -> None:
     """From the engine's thread: queue each (stream, item) for its reader, in order, waking each
-    reader's event loop once for them all (an item whose loop has closed is dropped: nobody is
-    left to read it)."""
+    reader's event loop once for them all."""
     by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Stream, int | str]]] = {}
     for stream, item in items:
         by_loop.setdefault(stream.loop, []).append((stream, item))
     for loop, pairs in by_loop.items():
-        if not loop.is_closed():
+        with contextlib.suppress(RuntimeError):  # its loop has closed: nobody is left to read them
             loop.call_soon_threadsafe(_put_each, pairs)
 
 
