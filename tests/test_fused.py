@@ -159,7 +159,7 @@ def test_every_step_of_an_engine_run_equals_the_plain_step(trace, policy):
 
     try:
         with mock.patch.object(ModelRunner, "forward", shadowed):
-            log = Engine(CONFIG, device="cpu", seed=0).run(trace, policy, progress=False)
+            log = Engine(CONFIG, device="cpu", seed=0, fused=True).run(trace, policy, progress=False)
     except ValueError:  # a request that can never fit this policy is refused up front
         return
     assert len(num_checked) == log.num_steps
@@ -205,3 +205,13 @@ def test_the_knob_is_checked():
     with pytest.raises(ValueError, match="fused = 'yes'"):
         Engine(CONFIG, device="cpu", fused="yes")
     assert "fused=False" in repr(Engine(CONFIG, device="cpu", fused=False))
+
+
+def test_labkit_serve_runs_the_fast_path_unless_asked_for_the_plain_one():
+    from labkit.cli import build_parser
+    from labkit.serve.server import engine_from
+
+    _, commands = build_parser()
+    served = [engine_from(commands["serve"].parse_args(flags))[0] for flags in ([], ["--plain-forward"])]
+    assert [engine.fused for engine in served] == [True, False]
+    assert Engine(CONFIG, device="cpu").fused is False  # Engine.run runs the step a student reads

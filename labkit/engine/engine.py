@@ -92,7 +92,7 @@ class Engine:
     def __init__(self, config: ModelConfig | None = None, device: str = "auto", seed: int = 0,
                  model: TinyGPT | None = None, threads: int | None = None, dtype: str = "float32",
                  cuda_graphs: bool = True, overlap: bool = False, extra_host_seconds: float = 0.0,
-                 extra_host_work: HostWork = busy_python, fused: bool = True):
+                 extra_host_work: HostWork = busy_python, fused: bool = False):
         """threads: torch's intra-op CPU threads while the engine works; by default every
         CPU but one (`labkit.engine.device.default_threads` says why).
         dtype: "float32" (the default, for exact comparisons), "bfloat16" or "float16".
@@ -104,8 +104,9 @@ class Engine:
         extra_host_work: what that work is (`labkit.engine.model_runner`): `busy_python` (the
         default) holds a core and the interpreter lock, `busy_native` a core only,
         `sleep_holding_lock` the lock only, `time.sleep` neither.
-        fused: run steps on `labkit.engine.fused.FusedTinyGPT`, the same arithmetic in fewer torch calls
-        (False: on `TinyGPT.forward`, the plain path).
+        fused: run steps on `labkit.engine.fused.FusedTinyGPT`, the same arithmetic in fewer torch
+        calls (`labkit serve`'s default); by default they run on `TinyGPT.forward`, the plain path a
+        student reads, which the lessons and the saved price of a step measure.
         """
         _check_knobs(threads, dtype, overlap, extra_host_seconds, extra_host_work, fused)
         self.device = resolve_device(device)

@@ -82,11 +82,12 @@ def engine_from(args: argparse.Namespace):
     from labkit.engine import Engine, ModelConfig
     from labkit.engine.checkpoint import load_checkpoint
 
+    fused = not args.plain_forward
     if args.model_dir is None:
         config = ModelConfig() if args.max_model_len is None else ModelConfig(max_seq_len=args.max_model_len)
-        return Engine(config, device=args.device, seed=args.seed, threads=args.threads), None
+        return Engine(config, device=args.device, seed=args.seed, threads=args.threads, fused=fused), None
     checkpoint = load_checkpoint(args.model_dir, max_seq_len=args.max_model_len)
-    return Engine(model=checkpoint.model, device=args.device, threads=args.threads), checkpoint
+    return Engine(model=checkpoint.model, device=args.device, threads=args.threads, fused=fused), checkpoint
 
 
 def model_name_from(args: argparse.Namespace) -> str:
@@ -127,6 +128,8 @@ def add_serve_parser(commands) -> argparse.ArgumentParser:
     parser.add_argument("--device", default="auto", metavar="{auto,cpu,cuda,mps}", help="where the model runs")
     parser.add_argument("--threads", type=whole_number(1), default=None, help="torch CPU threads")
     parser.add_argument("--seed", type=whole_number(0), default=0, help="seed of TinyGPT's weights (default 0)")
+    parser.add_argument("--plain-forward", action="store_true", help="run every step on TinyGPT.forward as "
+                        "written, not on its fast path (labkit.engine.fused), which gives the same tokens sooner")
     parser.add_argument("--model-name", default=None, help=f"the served model's name (default: MODEL_DIR as "
                         f"given, else {DEFAULT_MODEL_NAME})")
     parser.add_argument("--max-model-len", type=whole_number(1), default=None, help="the longest sequence "
