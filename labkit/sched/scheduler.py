@@ -191,8 +191,10 @@ class StepRecord:
     def log_to(self, log: StepLog, start: float, outcome: StepOutcome, arrivals: np.ndarray | None = None) -> None:
         """Write the record into `log`, its steps starting at `start`, with what the back end
         said of them; `arrivals`: times of requests that join the queue during them."""
-        log.count_preemptions(self.first_step, self.preempted)
-        log.admit_step[self.admitted] = self.first_step
+        if self.preempted:
+            log.count_preemptions(self.first_step, self.preempted)
+        if self.admitted:
+            log.admit_step[self.admitted] = self.first_step
         log.append(self.row, self.count, self.num_queued, self.blocked, start, outcome.seconds, self.num_emitted,
                    self.num_blocks_used, arrivals, self.num_padded, self.num_shape_padded)
         if outcome.kv_tokens is not None:
@@ -201,5 +203,7 @@ class StepRecord:
             log.record_measured(outcome.measured)
         if self.prefills:
             log.mark_prefills(self.first_step, self.prefills)
-        log.first_token_step[self.first_tokens] = self.first_step
-        log.finish_step[self.finished] = self.first_step + self.count - 1
+        if self.first_tokens:
+            log.first_token_step[self.first_tokens] = self.first_step
+        if self.finished:
+            log.finish_step[self.finished] = self.first_step + self.count - 1
