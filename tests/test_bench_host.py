@@ -1,22 +1,15 @@
 """bench_host.py's lanes of a median window: what lesson 08 draws from the saved run."""
 
-import importlib.util
-from pathlib import Path
 
 import numpy as np
 
 import labkit as lk
 from labkit.analysis.lanes import Lanes
 from labkit.engine import Engine
-
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_host.py"
-
+from tests.scripts import load_script
 
 def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_host", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/bench_host.py")
 
 
 def test_median_window_is_five_decode_steps_with_the_median_idle_share():

@@ -1,21 +1,14 @@
 """bench_token_time.py's phase-by-phase steps: each runs its path's operations, so its phases add up to that path."""
 
-import importlib.util
-from pathlib import Path
 
 import pytest
 import torch
 
 from labkit.engine import FusedTinyGPT, ModelConfig, TinyGPT
-
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_token_time.py"
-
+from tests.scripts import load_script
 
 def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_token_time", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/bench_token_time.py")
 
 
 @pytest.mark.parametrize("rows", [3, 8])

@@ -2,19 +2,17 @@
 saying "not attempted", and the committed copies in notebooks/ are exactly what
 tools/make_student.py writes from solutions/."""
 
-import importlib.util
 from pathlib import Path
 
 import nbformat
 import pytest
 from nbclient import NotebookClient
+from tests.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SOLUTIONS = sorted((ROOT / "solutions").glob("*.ipynb"))
 EXERCISES = ROOT / "solutions" / "07_exercises.ipynb"
-_spec = importlib.util.spec_from_file_location("make_student", ROOT / "tools" / "make_student.py")
-make_student = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(make_student)
+make_student = load_script("tools/make_student.py")
 
 CELL = """answer = None  # your answer
 ### BEGIN SOLUTION

@@ -1,14 +1,12 @@
 """tools/run_notebooks.py says which checked cell a re-run changed, and ignores what nbval ignores."""
 
-import importlib.util
 from pathlib import Path
 
 import nbformat
+from tests.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("run_notebooks", ROOT / "tools" / "run_notebooks.py")
-run_notebooks = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(run_notebooks)
+run_notebooks = load_script("tools/run_notebooks.py")
 
 
 def lesson(*printed: str):
