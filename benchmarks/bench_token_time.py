@@ -51,7 +51,7 @@ import torch.nn.functional as F
 
 import labkit as lk
 from labkit.cli import build_parser
-from labkit.engine import PagedKVCache, StepBatch
+from labkit.engine import PagedKVCache, ModelInputs
 from labkit.engine.attention import plan_attention
 from labkit.engine.device import torch_threads
 from labkit.engine.fused import FusedTinyGPT
@@ -192,7 +192,7 @@ def decode_step(config, rows: int, context_len: int, num_blocks: int = NUM_BLOCK
     cache.v.normal_(generator=torch.Generator().manual_seed(1))
     num_lent = -(-context_len // block_size)
     tables = [[j * rows + i for j in range(num_lent)] for i in range(rows)]
-    batch = StepBatch.build([[1]] * rows, [context_len - 1] * rows, tables, block_size)
+    batch = ModelInputs.build([[1]] * rows, [context_len - 1] * rows, tables, block_size)
     return cache, batch
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import labkit as lk
-from labkit.engine import Engine, ModelConfig, PagedKVCache, StepBatch, TinyGPT
+from labkit.engine import Engine, ModelConfig, PagedKVCache, ModelInputs, TinyGPT
 from labkit.engine.cuda_graphs import DecodeGraphs, eager_capture, next_power_of_two
 from labkit.sched.blocks import num_blocks_for
 
@@ -36,7 +36,7 @@ def decode_batch(seed, num_requests, device="cpu"):
         tables.append(blocks[start : start + count])
         start += count
     tokens = [[int(t)] for t in rng.integers(0, CONFIG.vocab_size, num_requests)]
-    return StepBatch.build(tokens, depths.tolist(), tables, BLOCK_SIZE, device)
+    return ModelInputs.build(tokens, depths.tolist(), tables, BLOCK_SIZE, device)
 
 
 def filled_cache(device="cpu"):
@@ -97,8 +97,8 @@ def test_an_engine_that_replays_decodes_gives_the_same_tokens(policy, monkeypatc
 
 
 def test_only_pure_decode_steps_replay():
-    decode = StepBatch.build([[1], [2]], [3, 5], [[0, 1], [2, 3]], BLOCK_SIZE)
-    mixed = StepBatch.build([[1], [2, 3, 4]], [3, 0], [[0, 1], [2, 3]], BLOCK_SIZE)
+    decode = ModelInputs.build([[1], [2]], [3, 5], [[0, 1], [2, 3]], BLOCK_SIZE)
+    mixed = ModelInputs.build([[1], [2, 3, 4]], [3, 0], [[0, 1], [2, 3]], BLOCK_SIZE)
     assert DecodeGraphs.can_run(decode) and not DecodeGraphs.can_run(mixed)
 
 

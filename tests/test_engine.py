@@ -70,12 +70,12 @@ def test_a_wrong_block_table_breaks_the_equality(engine, solo, monkeypatch):
     """Negative control: reading a request's K/V through a corrupted block table changes its tokens."""
     from labkit.engine import model_runner
 
-    build = model_runner.StepBatch.build
+    build = model_runner.ModelInputs.build
 
     def reversed_tables(new_tokens, starts, tables, block_size, device):
         return build(new_tokens, starts, [table[::-1] for table in tables], block_size, device)
 
-    monkeypatch.setattr(model_runner.StepBatch, "build", reversed_tables)
+    monkeypatch.setattr(model_runner.ModelInputs, "build", reversed_tables)
     log = engine.run(MIXED, lk.Continuous(num_slots=3), progress=False)
     assert log.outputs != solo
 

@@ -24,7 +24,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import labkit as lk
-from labkit.engine import Engine, ModelConfig, PagedKVCache, StepBatch, TinyGPT
+from labkit.engine import Engine, ModelConfig, PagedKVCache, ModelInputs, TinyGPT
 from labkit.engine.cuda_graphs import DecodeGraphs, eager_capture
 from labkit.engine.fused import FusedTinyGPT
 from labkit.engine.model_runner import ModelRunner
@@ -71,7 +71,7 @@ def filled_cache(config, block_size, seed=0):
 
 def run_both(model, fused, step, block_size):
     """(plain logits, fused logits, plain cache, fused cache) after one step on copies of one cache."""
-    batch = StepBatch.build(*step, block_size)
+    batch = ModelInputs.build(*step, block_size)
     plain_cache, fused_cache = filled_cache(model.config, block_size), filled_cache(model.config, block_size)
     with torch.inference_mode():
         return model(batch, plain_cache), fused(batch, fused_cache), plain_cache, fused_cache
@@ -106,7 +106,7 @@ def test_decode_chunks_split_a_group_and_pad_it_as_one():
     model = TinyGPT(CONFIG, seed=0).eval()
     step = ([[5]] * 6, [20, 3, 17, 9, 30, 1], [[i, i + 6, i + 12] for i in range(6)])
     fused = FusedTinyGPT(model, chunk_bytes=2 * 32 * 4 * 32 * 2)  # 32 entries of k and v: two requests a chunk
-    batch = StepBatch.build(*step, 16)
+    batch = ModelInputs.build(*step, 16)
     attention = fused.plan(batch, 16)
     assert [group.rows.tolist() for group in attention.decodes] == [[0, 1], [2, 3], [4, 5]]
     assert {group.key_mask.shape[-1] for group in attention.decodes} == {31}  # the group's longest context
@@ -181,7 +181,7 @@ def test_decode_graphs_capture_the_fast_path():
     model = TinyGPT(CONFIG, seed=0).eval()
     plain_cache, graphed_cache = filled_cache(CONFIG, 4), filled_cache(CONFIG, 4)
     graphs = DecodeGraphs(FusedTinyGPT(model), graphed_cache, capture=eager_capture)
-    batch = StepBatch.build([[1], [2], [3]], [5, 20, 9], [[0, 1], [2, 3, 4, 5, 6, 7], [8, 9, 10]], 4)
+    batch = ModelInputs.build([[1], [2], [3]], [5, 20, 9], [[0, 1], [2, 3, 4, 5, 6, 7], [8, 9, 10]], 4)
     with torch.inference_mode():  # a graph pads contexts to its bucket's length: rounding may differ
         torch.testing.assert_close(graphs(batch), model(batch, plain_cache), atol=TOLERANCE, rtol=0)
 

@@ -8,7 +8,7 @@ from labkit.engine import Engine
 from labkit.engine.attention import ATTENTION_LAYOUTS
 from labkit.engine.config import ModelConfig
 from labkit.engine.kv import PagedKVCache
-from labkit.engine.model import StepBatch, TinyGPT
+from labkit.engine.model import ModelInputs, TinyGPT
 from labkit.sched.blocks import num_blocks_for
 
 transformers = pytest.importorskip("transformers")
@@ -43,7 +43,7 @@ def greedy_paged(model, prompts, num_out):
     seqs, new = [list(p) for p in prompts], [list(p) for p in prompts]
     for _ in range(num_out):
         starts = [len(s) - len(n) for s, n in zip(seqs, new)]
-        logits = model(StepBatch.build(new, starts, list(tables), BLOCK_SIZE), cache)
+        logits = model(ModelInputs.build(new, starts, list(tables), BLOCK_SIZE), cache)
         new = [[t] for t in logits.argmax(-1).tolist()]
         for s, n in zip(seqs, new):
             s += n
@@ -76,7 +76,7 @@ def test_last_logits_match_hf(model, hf_model, length):
     with torch.no_grad():
         expected = hf_model(torch.tensor([ids])).logits[0, -1]  # (vocab,)
     cache = PagedKVCache(CONFIG, 8, BLOCK_SIZE, "cpu")
-    got = model(StepBatch.build([ids], [0], [torch.tensor([6, 1, 4, 7, 0])], BLOCK_SIZE), cache)[0]
+    got = model(ModelInputs.build([ids], [0], [torch.tensor([6, 1, 4, 7, 0])], BLOCK_SIZE), cache)[0]
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 

@@ -11,7 +11,7 @@ from labkit.engine.attention import ATTENTION_LAYOUTS
 from labkit.engine.config import ModelConfig
 from labkit.engine.device import resolve_device
 from labkit.engine.kv import PagedKVCache
-from labkit.engine.model import StepBatch, TinyGPT
+from labkit.engine.model import ModelInputs, TinyGPT
 
 CONFIG = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, d_ff=64, max_seq_len=64)
 BLOCK_SIZE = 4
@@ -91,7 +91,7 @@ def run_greedy(model, cache, prompts, tables, num_out, join_steps=None, prefill_
         active = [i for i in range(n) if join_steps[i] <= step and len(logits[i]) < num_out]
         if active:
             new = [seqs[i][num_cached[i] :][:prefill_chunk] for i in active]
-            batch = StepBatch.build(new, [num_cached[i] for i in active], [tables[i] for i in active], BLOCK_SIZE)
+            batch = ModelInputs.build(new, [num_cached[i] for i in active], [tables[i] for i in active], BLOCK_SIZE)
             out = model(batch, cache)
             for row, i, tokens in zip(out, active, new):
                 num_cached[i] += len(tokens)
@@ -119,10 +119,10 @@ def decode_with_table(model, read_table):
     """Prefill two requests, A in blocks (9, 2) and B in (5, 11); decode token 5 for A at
     position 7, written where A's table says, but read through read_table."""
     cache = noisy_cache()
-    model(StepBatch.build([prompt(7, seed=0), prompt(8, seed=4)], [0, 0], [table(9, 2), table(5, 11)], BLOCK_SIZE),
+    model(ModelInputs.build([prompt(7, seed=0), prompt(8, seed=4)], [0, 0], [table(9, 2), table(5, 11)], BLOCK_SIZE),
           cache)
-    batch = StepBatch.build([[5]], [7], [read_table], BLOCK_SIZE)
-    batch.write_entries = StepBatch.build([[5]], [7], [table(9, 2)], BLOCK_SIZE).write_entries
+    batch = ModelInputs.build([[5]], [7], [read_table], BLOCK_SIZE)
+    batch.write_entries = ModelInputs.build([[5]], [7], [table(9, 2)], BLOCK_SIZE).write_entries
     return model(batch, cache)[0]
 
 
@@ -156,7 +156,7 @@ def test_batched_equals_solo(model):
 
 
 def test_step_returns_one_row_per_request(model):
-    batch = StepBatch.build([[1, 2, 3], [4]], [0, 5], [table(0, 1), table(2, 3)], BLOCK_SIZE)
+    batch = ModelInputs.build([[1, 2, 3], [4]], [0, 5], [table(0, 1), table(2, 3)], BLOCK_SIZE)
     assert batch.num_requests == 2 and batch.context_lens == [3, 6]
     assert batch.write_entries.tolist() == [0, 1, 2, 13]
     assert model(batch, PagedKVCache(CONFIG, NUM_BLOCKS, BLOCK_SIZE, "cpu")).shape == (2, CONFIG.vocab_size)

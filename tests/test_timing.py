@@ -52,8 +52,8 @@ def test_cpu_time_refuses_a_gpu():
 
 def test_a_step_can_admit_a_prompt(engine, monkeypatch):
     built = []
-    build = timing.StepBatch.build
-    monkeypatch.setattr(timing.StepBatch, "build", lambda *args: built.append(args) or build(*args))
+    build = timing.ModelInputs.build
+    monkeypatch.setattr(timing.ModelInputs, "build", lambda *args: built.append(args) or build(*args))
     assert engine.time_decode_step(3, context_len=20, repeats=1, prompt_len=40, cpu_time=True) > 0
     new_tokens, starts, tables, block_size = built[0][:4]
     assert [len(t) for t in new_tokens] == [1, 1, 1, 40] and starts == [19, 19, 19, 0]  # 3 decode rows, 1 prompt

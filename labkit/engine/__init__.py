@@ -5,7 +5,7 @@ from labkit.engine.config import ModelConfig
 from labkit.engine.device import available_devices, resolve_device
 from labkit.engine.fused import FusedTinyGPT
 from labkit.engine.kv import PagedKVCache
-from labkit.engine.model import StepBatch, TinyGPT
+from labkit.engine.model import ModelInputs, TinyGPT
 from labkit.engine.model_runner import ModelRunner
 from labkit.engine.engine import Engine
 
@@ -15,7 +15,7 @@ __all__ = [
     "ModelConfig",
     "ModelRunner",
     "PagedKVCache",
-    "StepBatch",
+    "ModelInputs",
     "TinyGPT",
     "available_devices",
     "resolve_device",

@@ -34,7 +34,7 @@ import torch
 
 from labkit.engine.attention import BatchedAttention, decode_group
 from labkit.engine.kv import PagedKVCache
-from labkit.engine.model import StepBatch, TinyGPT
+from labkit.engine.model import ModelInputs, TinyGPT
 from labkit.sched.blocks import num_blocks_for
 
 Step = Callable[[], torch.Tensor]
@@ -90,11 +90,11 @@ class DecodeGraphs:
         self.buckets: dict[tuple[int, int], _Bucket] = {}
 
     @staticmethod
-    def can_run(batch: StepBatch) -> bool:
+    def can_run(batch: ModelInputs) -> bool:
         """Whether the step is a pure decode step: one new token per request."""
         return batch.input_ids.shape[0] == batch.num_requests
 
-    def __call__(self, batch: StepBatch) -> torch.Tensor:
+    def __call__(self, batch: ModelInputs) -> torch.Tensor:
         """(R, vocab) logits of a pure decode step, as `model(batch, cache)` gives them."""
         assert self.can_run(batch), "only pure decode steps replay; run prefills eagerly"
         bucket = self._bucket(batch)
@@ -103,7 +103,7 @@ class DecodeGraphs:
             bucket.replay = self.capture(lambda: self._step(bucket), self.pool)
         return bucket.replay()[: batch.num_requests]
 
-    def _bucket(self, batch: StepBatch) -> _Bucket:
+    def _bucket(self, batch: ModelInputs) -> _Bucket:
         block_size = self.cache.block_size
         batch_size = batch.num_requests
         num_blocks = next_power_of_two(num_blocks_for(max(batch.context_lens), block_size))
@@ -119,7 +119,7 @@ class DecodeGraphs:
                                         torch.arange(batch_size, device=device))
         return self.buckets[key]
 
-    def _load(self, bucket: _Bucket, batch: StepBatch) -> None:
+    def _load(self, bucket: _Bucket, batch: ModelInputs) -> None:
         """Copy the step into the bucket's buffers (one row each: the bucket is the step's size);
         table entries past a request's blocks point at the padding block."""
         num_blocks = min(batch.block_tables.shape[1], bucket.block_tables.shape[1])  # a table may reserve more

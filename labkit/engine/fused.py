@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 from labkit.engine.attention import GatherScratch, plan_attention, plan_block_attention
 from labkit.engine.kv import PagedKVCache
-from labkit.engine.model import DecoderLayer, StepBatch, TinyGPT, rotate
+from labkit.engine.model import DecoderLayer, ModelInputs, TinyGPT, rotate
 
 CHUNK_BYTES = 4 << 20  # keys and values a decode chunk gathers: the fastest of 1-16 MiB on a 2-core EPYC
 
@@ -110,12 +110,12 @@ class FusedTinyGPT:
         self.max_chunk_entries = chunk_bytes // entry_bytes if chunk_bytes and on_cpu else None
 
     @torch.no_grad()
-    def __call__(self, batch: StepBatch, cache: PagedKVCache) -> torch.Tensor:
+    def __call__(self, batch: ModelInputs, cache: PagedKVCache) -> torch.Tensor:
         """One step: write the new tokens' K/V; return (num_requests, vocab) logits of each last new token."""
         return self.logits(batch.input_ids, batch.positions, batch.write_entries, batch.last_rows, cache,
                            self.plan(batch, cache.block_size))
 
-    def plan(self, batch: StepBatch, block_size: int):
+    def plan(self, batch: ModelInputs, block_size: int):
         """The step's attention: by whole blocks in chunks, or request by request if the config asks."""
         if self.config.attention == "per_request":
             return plan_attention("per_request", batch.num_new, batch.context_lens, batch.block_tables, block_size,

@@ -59,7 +59,7 @@ def stack_hf_projections(hf_state: dict[str, torch.Tensor]) -> dict[str, torch.T
 
 
 @dataclass
-class StepBatch:
+class ModelInputs:
     """What one engine step feeds the model. Tokens are concatenated request by request.
 
     input_ids, positions, write_entries: long (T,) on the model's device; write_entries[t] is the
@@ -87,7 +87,7 @@ class StepBatch:
 
     @classmethod
     def build(cls, new_tokens: list[list[int]], start_positions: list[int], block_tables: list, block_size: int,
-              device: torch.device | str = "cpu") -> StepBatch:
+              device: torch.device | str = "cpu") -> ModelInputs:
         """Request i contributes tokens new_tokens[i] at positions start_positions[i], ... ;
         block_tables[i] lists its block ids (a list, an array or a CPU tensor).
 
@@ -249,7 +249,7 @@ class TinyGPT(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     @torch.no_grad()
-    def forward(self, batch: StepBatch, cache: PagedKVCache) -> torch.Tensor:
+    def forward(self, batch: ModelInputs, cache: PagedKVCache) -> torch.Tensor:
         """One step: write the new tokens' K/V; return (num_requests, vocab) logits of each last new token."""
         attention = plan_attention(self.config.attention, batch.num_new, batch.context_lens, batch.block_tables,
                                    cache.block_size, self.gather_scratch)

@@ -40,7 +40,7 @@ import torch
 
 from labkit.engine.cuda_graphs import DecodeGraphs
 from labkit.engine.kv import PagedKVCache
-from labkit.engine.model import StepBatch, TinyGPT
+from labkit.engine.model import ModelInputs, TinyGPT
 from labkit.sched.state import Batch, Request
 
 HostWork = Callable[[float], None]  # `seconds` of host work: busy_python, busy_native, sleep_holding_lock, time.sleep
@@ -79,7 +79,7 @@ class PreparedStep:
     """A step's model inputs, the rows among them that sample a token, and for each of those
     the ids it may not pick yet (a request short of its `min_tokens`: its end-of-sequence ids)."""
 
-    inputs: StepBatch
+    inputs: ModelInputs
     emitting: list[int]  # rows whose step leaves none of their tokens uncomputed
     requests: list[Request]  # the emitting rows' requests, in the same order
     banned: list[tuple[int, ...]]  # per emitting row
@@ -140,12 +140,12 @@ class ModelRunner:
             new_tokens.append([0])
             starts.append(0)
             tables.append([self.cache.padding_block])
-        inputs = StepBatch.build(new_tokens, starts, tables, self.cache.block_size, self.device)
+        inputs = ModelInputs.build(new_tokens, starts, tables, self.cache.block_size, self.device)
         emitting = [i for i, (request, n) in enumerate(rows) if n and n == request.num_uncomputed]
         requests = [rows[i][0] for i in emitting]
         return PreparedStep(inputs, emitting, requests, [banned_ids(request) for request in requests])
 
-    def forward(self, inputs: StepBatch) -> torch.Tensor:
+    def forward(self, inputs: ModelInputs) -> torch.Tensor:
         """(R, vocab) logits of each row's last new token: replayed from a CUDA graph for a
         pure decode step when there are graphs, else from the model."""
         if self.graphs is not None and self.graphs.can_run(inputs):

@@ -38,7 +38,7 @@ from labkit.engine.attention import plan_attention
 from labkit.engine.cuda_graphs import DecodeGraphs
 from labkit.engine.device import torch_threads
 from labkit.engine.kv import PagedKVCache
-from labkit.engine.model import StepBatch
+from labkit.engine.model import ModelInputs
 from labkit.checks import whole_number
 from labkit.sched.blocks import num_blocks_for
 
@@ -81,7 +81,7 @@ def _median_seconds(call, device: torch.device, repeats: int, cpu_time: bool = F
 
 
 def _decode_step(engine, context_lens: list[int], block_size: int,
-                 prompt_len: int = 0) -> tuple[PagedKVCache, StepBatch]:
+                 prompt_len: int = 0) -> tuple[PagedKVCache, ModelInputs]:
     """A cache and a decode step of one request per entry of `context_lens`, each at position context_len - 1,
     and, with `prompt_len`, one more request's prompt of that many tokens from position 0; the
     requests' blocks laid out one after another."""
@@ -96,7 +96,7 @@ def _decode_step(engine, context_lens: list[int], block_size: int,
     tables = [np.arange(first, first + count) for first, count in zip(first_blocks, blocks_each)]
     new_tokens = [[1]] * len(context_lens) + ([[1] * prompt_len] if prompt_len else [])
     starts = [length - 1 for length in context_lens] + ([0] if prompt_len else [])
-    batch = StepBatch.build(new_tokens, starts, tables, block_size, engine.device)
+    batch = ModelInputs.build(new_tokens, starts, tables, block_size, engine.device)
     return cache, batch
 
 
