@@ -140,6 +140,8 @@ def test_a_step_that_raises_ends_every_request_with_an_error(monkeypatch):
     assert items == ["error"] and isinstance(online.failure, RuntimeError)
     with pytest.raises(Unavailable, match=re.escape("the engine stopped after an error (RuntimeError)")):
         online.submit(PROMPTS[0], 1)
+    online.stop()  # joins the thread, so its traceback is this test's (and filtered), not the next one's
+    assert not online.is_running()
 
 
 def test_metrics_count_the_prompt_and_every_token_sent():
