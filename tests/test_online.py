@@ -44,14 +44,14 @@ async def read_items(stream) -> list:
 
 
 def pool_is_full(online: OnlineEngine) -> bool:
-    return online.blocks.num_free_blocks == online.blocks.num_blocks
+    return online.core.blocks.num_free_blocks == online.core.blocks.num_blocks
 
 
 @pytest.mark.parametrize("policy", [
     lk.Static(num_slots=2),
     lk.Static(num_slots=3, num_blocks=20, block_size=4),
     lk.Dynamic(num_slots=4, timeout=0.05),
-    lk.Continuous(num_slots=2, num_blocks=12, block_size=4, victim="longest"),  # preempts
+    lk.Continuous(num_slots=2, num_blocks=11, block_size=4, victim="longest"),  # preempts once
 ], ids=repr)
 def test_every_policy_serves_online_with_engine_run_tokens(policy):
     online = started(policy)
@@ -60,7 +60,7 @@ def test_every_policy_serves_online_with_engine_run_tokens(policy):
     finally:
         online.stop()
     assert items == [[*REFERENCE[int(rid)], "length"] for rid in TRACE.ids]
-    assert pool_is_full(online) and not online.state.by_id  # released requests are forgotten
+    assert pool_is_full(online) and not online.core.state.by_id  # released requests are forgotten
 
 
 def test_an_eos_ends_a_request_there_and_frees_its_slot():
@@ -109,7 +109,7 @@ def test_an_abort_frees_the_slot_and_ends_the_stream():
         online.stop()
     assert isinstance(first, int) and rest[-1] == "abort" and len(rest) < 100
     assert waiting == [*REFERENCE[4][:3], "length"]  # greedy: the first 3 of its 7 outputs
-    assert pool_is_full(online) and not online.state.by_id
+    assert pool_is_full(online) and not online.core.state.by_id
 
 
 def test_stop_aborts_what_is_in_flight_and_counts_it():
@@ -134,7 +134,7 @@ def test_a_step_that_raises_ends_every_request_with_an_error(monkeypatch):
     def broken(batch):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(online.runner, "run", broken)
+    monkeypatch.setattr(online.core.runner, "run", broken)
     online.start_thread()
     (items,) = serve(online, [(PROMPTS[0], 4, {})])
     assert items == ["error"] and isinstance(online.failure, RuntimeError)
@@ -162,4 +162,4 @@ def test_submit_refuses_a_priority_that_is_not_a_whole_number():
     for bad in (1.5, "1", True, None):
         with pytest.raises(ValueError, match=f"^priority = {re.escape(repr(bad))}: must be a whole number"):
             online.submit([5], 2, priority=bad)
-    assert not online.state.by_id and not online.num_in_flight()  # nothing was queued
+    assert not online.core.state.by_id and not online.num_in_flight()  # nothing was queued

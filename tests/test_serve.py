@@ -52,7 +52,7 @@ class Served:
         assert not self.thread.is_alive()
 
     def pool_is_full(self) -> bool:
-        blocks = self.online.blocks
+        blocks = self.online.core.blocks
         return blocks.num_free_blocks == blocks.num_blocks
 
 
@@ -179,7 +179,7 @@ def test_a_client_that_leaves_mid_stream_frees_its_slot_and_blocks(served):
             received += line.startswith("data: ")
             if received == 3:
                 break  # leave: the stream closes with the block
-    assert wait_until(lambda: served.pool_is_full() and not served.online.state.by_id)
+    assert wait_until(lambda: served.pool_is_full() and not served.online.core.state.by_id)
     assert wait_until(lambda: scrape(served.url)["vllm:kv_cache_usage_perc"] == 0.0)
     assert scrape(served.url)["vllm:num_requests_running"] == 0.0
 
@@ -221,7 +221,7 @@ def test_two_hundred_concurrent_streams_all_finish_and_every_block_returns():
         received = asyncio.run(asyncio.wait_for(everyone(), 120))
         assert [len(tokens) for tokens in received] == lengths  # none lost, none short
         assert wait_until(server.pool_is_full)
-        assert not server.online.state.by_id and max(server.online.step_sizes) > 1
+        assert not server.online.core.state.by_id and max(server.online.step_sizes) > 1
     finally:
         server.stop()
 
@@ -244,7 +244,7 @@ def test_stopping_the_server_aborts_what_is_in_flight():
     server.stop()  # uvicorn lets the stream finish or ends it; the engine aborts what is left
     client.join(timeout=30)
     assert not client.is_alive() and finished
-    assert server.pool_is_full() and not server.online.state.by_id
+    assert server.pool_is_full() and not server.online.core.state.by_id
 
 
 # lk.replay against labkit serve
@@ -445,7 +445,7 @@ class StepGate:
 
     def __init__(self, online):
         self.held, self.go, self.steps = threading.Event(), threading.Event(), []
-        run = online.runner.run
+        run = online.core.runner.run
 
         def gated(batch):
             self.held.set()
@@ -453,7 +453,7 @@ class StepGate:
             self.steps.append([request.id for request, _ in batch.rows])
             return run(batch)
 
-        online.runner.run = gated
+        online.core.runner.run = gated
 
     def first_step_order(self) -> list[int]:
         """Request ids in the order of the first step each worked in."""

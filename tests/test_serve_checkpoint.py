@@ -142,7 +142,7 @@ def test_a_request_stops_at_the_eos_unless_it_ignores_it(eos_dir, eos_server):
     assert stopped["text"] == transformers.AutoTokenizer.from_pretrained(directory).decode(stopped["token_ids"])
 
     deadline = time.monotonic() + 10
-    while online.blocks.num_free_blocks < online.blocks.num_blocks or online.state.by_id:
+    while online.core.blocks.num_free_blocks < online.core.blocks.num_blocks or online.core.state.by_id:
         assert time.monotonic() < deadline, "the stopped request's slot and blocks did not return"
         time.sleep(0.02)
 

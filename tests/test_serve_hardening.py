@@ -59,13 +59,13 @@ def assert_error(answer: httpx.Response, status: int, kind: str, message: str, p
 
 def slow_steps(server: Served, monkeypatch, seconds: float) -> None:
     """Each of the server's steps takes at least `seconds`, so a request lasts long enough to leave."""
-    run = server.online.runner.run
+    run = server.online.core.runner.run
 
     def slow(batch):
         time.sleep(seconds)
         return run(batch)
 
-    monkeypatch.setattr(server.online.runner, "run", slow)
+    monkeypatch.setattr(server.online.core.runner, "run", slow)
 
 
 def generated(server: Served) -> float:
@@ -80,7 +80,7 @@ def test_a_whole_completion_whose_client_leaves_is_aborted(guarded, monkeypatch)
     before = generated(guarded)
     with pytest.raises(httpx.ReadTimeout):
         post(guarded.url, prompt=[5], max_tokens=120, timeout=0.3)
-    assert wait_until(lambda: not guarded.online.state.by_id and guarded.pool_is_full(), 5)
+    assert wait_until(lambda: not guarded.online.core.state.by_id and guarded.pool_is_full(), 5)
     assert generated(guarded) - before < 60  # cut short: the engine stopped working for it
 
     # the control: a client that waits gets every token
@@ -397,7 +397,7 @@ def test_stopping_ends_open_requests_with_an_error_and_counts_them(monkeypatch, 
     status, body = endings["whole"]
     assert status == 503 and body["type"] == "ServiceUnavailableError"
     assert re.fullmatch(r"the server is shutting down: the request ended after \d+ tokens", body["message"])
-    assert server.pool_is_full() and not server.online.state.by_id
+    assert server.pool_is_full() and not server.online.core.state.by_id
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the engine's thread dies
@@ -409,7 +409,7 @@ def test_when_the_engine_dies_health_fails_and_requests_end_with_an_error(monkey
         def broken(batch):
             raise RuntimeError("boom")
 
-        monkeypatch.setattr(server.online.runner, "run", broken)
+        monkeypatch.setattr(server.online.core.runner, "run", broken)
         payload = {"model": MODEL, "prompt": [5], "max_tokens": 5, "stream": True}
         with httpx.stream("POST", f"{server.url}/v1/completions", json=payload, timeout=10) as answer:
             lines = read_stream(answer)
@@ -461,7 +461,7 @@ def test_three_hundred_streams_with_thirty_leaving_end_with_empty_gauges_and_eve
         expected = reference_tokens(server.engine, [prompts[i] for i in stayed], [lengths[i] for i in stayed])
         assert [received[i] for i in stayed] == expected  # every token, the same as Engine.run's
         assert all(len(received[i]) == count for i, count in leave_after.items())
-        assert wait_until(lambda: server.pool_is_full() and not server.online.state.by_id)
+        assert wait_until(lambda: server.pool_is_full() and not server.online.core.state.by_id)
         assert wait_until(lambda: [scrape(server.url)[gauge] for gauge in GAUGES] == [0.0, 0.0, 0.0])
         assert generated(server) - before < sum(lengths)  # the leavers were cut short, not served to the end
         assert max(server.online.step_sizes) > 1

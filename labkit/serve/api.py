@@ -14,7 +14,7 @@
   vLLM's `priority`, a JSON integer (default 0, lower is served first), goes with the
   request into the scheduler: `labkit serve --policy priority` orders its queue by it,
   other policies carry it along unread.
-- `GET /v1/models`, `GET /health` (503 once the engine's thread has failed or stopped), and
+- `GET /v1/models`, `GET /health` (503 once the engine's loop has failed or stopped), and
   `GET /metrics` (Prometheus, `labkit.serve.prometheus`).
 
 Requests are read strictly: each field has its JSON type (no "4" for 4, no true for 1),
@@ -37,7 +37,7 @@ short prefix of the value, and a refused request changes nothing: 400 for a bad 
 mid-stream or while it waits for a whole completion, has its request aborted, so its slot
 and KV blocks return at the engine's next step. A request the engine aborts at shutdown, or
 loses when the engine fails, ends with an error: in a stream an error chunk and then
-`data: [DONE]`, otherwise a 503. The engine's thread starts with the app and stops with it.
+`data: [DONE]`, otherwise a 503. The engine's loop (its thread or its process) starts with the app and stops with it.
 """
 
 from __future__ import annotations
@@ -165,7 +165,7 @@ async def client_leaves(request: Request) -> None:
 def make_app(online: OnlineEngine, model_name: str, tokenizer=byte_tokenizer, limits: Limits = Limits()) -> FastAPI:
     """The API serving `online` under `model_name`, taking and giving text through `tokenizer`
     (`encode(text)`, `decode(token_ids)`), behind `limits`' API key and body limits; the
-    engine's thread runs while the app does."""
+    engine's loop runs while the app does."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -242,7 +242,7 @@ def make_app(online: OnlineEngine, model_name: str, tokenizer=byte_tokenizer, li
 
 
 class Completion:
-    """One request's tokens, from the engine's thread to the client's stream or answer."""
+    """One request's tokens, from the engine's loop to the client's stream or answer."""
 
     def __init__(self, model_name: str, num_prompt_tokens: int, tokenizer, request_id: int, stream: Stream):
         self.id = f"cmpl-{uuid.uuid4().hex}"

@@ -1,12 +1,21 @@
 """Online serving: the engine's loop with requests that arrive while it runs.
 
 `Engine.run` serves a trace known in advance; an online server learns of each request
-when a client sends it. `OnlineEngine` runs the same loop as `labkit.sched.driver.drive`,
-on the same objects (a `Scheduler` with its policy, `SchedulerState` and `BlockPool` from
-`kv_pool`, and the engine's `ModelRunner`), in a thread of its own, as the same three calls:
-`schedule()`, `runner.run(batch)`, `postprocess(batch, tokens)`. Around them it takes in the
-new and the aborted requests, and hands each request's new tokens to its `Stream`. Nothing
-about scheduling is forked: only where requests come from and where tokens go differ.
+when a client sends it. It has two sides, as vLLM's engine core and its front end:
+
+- `EngineLoop`, the engine's side, runs the same loop as `labkit.sched.driver.drive`, on
+  the same objects (a `Scheduler` with its policy, `SchedulerState` and `BlockPool` from
+  `kv_pool`, and the engine's `ModelRunner`), as the same three calls: `schedule()`,
+  `runner.run(batch)`, `postprocess(batch, tokens)`. Around them it takes in the new and the
+  aborted requests, and reports what each step gave (`LoopReport`): every request's new
+  tokens, who finished and why, and the queue and pool as they are then;
+- `OnlineEngine`, the callers' side, checks each request, gives it an id and a `Stream`,
+  and hands each reported token to its stream; it keeps the server's metrics.
+
+The loop runs in a thread of the callers' process, or in a process of its own
+(`EngineProcess`, `own_process=True`), which is what `labkit serve` does on a CPU: there the
+HTTP side and a thread of the engine would take turns at one interpreter lock. Nothing about
+scheduling is forked: only where requests come from and where tokens go differ.
 
 Invariants:
 
@@ -15,7 +24,8 @@ Invariants:
   caller's thread and never reaches the loop; a request the engine cannot take now (its queue
   holds `max_waiting` requests, it is closing, or it has failed) raises `Unavailable`;
 - a request is one `Request` (`labkit.sched.state`), known by its id: its prompt ids, its
-  stop rule and its outputs live on it, and the state forgets it once a decision releases it;
+  stop rule and its outputs live on it, and the loop's state forgets it once a decision
+  releases it;
 - a request carries its priority (lower is served first, as vLLM's) into the state: a
   policy with a `queue_order` that reads it (`labkit.Priority`) orders the queue by it,
   any other policy ignores it;
@@ -24,23 +34,30 @@ Invariants:
   EOS ids after `min_tokens` outputs (unless it asked to `ignore_eos`; before `min_tokens`
   those ids are masked and never sampled, as vLLM and transformers do), the EOS its last
   token; "abort" or "error" as below. A model without EOS ids (TinyGPT) never stops early;
-- the engine's thread never calls into its callers: it puts items on streams, which the
-  caller's event loop reads;
-- an aborted request leaves at the next decision point, and its slot and KV blocks return
-  to the pool; when every request has finished or been aborted, the pool is full;
+- the loop never calls into the callers: it reports to `OnlineEngine`, which puts items on
+  streams, which the caller's event loop reads;
+- an aborted request's stream ends with "abort" at once; the request leaves the loop at its
+  next decision point, and its slot and KV blocks return to the pool; when every request
+  has finished or been aborted, the pool is full;
 - `stop` aborts what is still in flight and counts it (a client that left is not counted);
-  if a step raises, every request in flight gets "error", `failure` keeps the exception,
-  the thread ends with it, and no request is taken again;
-- the clock is the wall clock, in seconds since the server started; when nothing can run
-  the loop waits for a request (or the policy's wake-up time) instead of spinning.
+  if a step raises, or the engine's process ends, every request in flight gets "error",
+  `failure` keeps the exception, and no request is taken again;
+- the clock is the wall clock, in seconds since the server started, the same in both
+  processes; when nothing can run the loop waits for a request (or the policy's wake-up
+  time) instead of spinning.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import pickle
+import signal
 import threading
 import time
+from collections.abc import Callable
+from functools import partial
+from typing import NamedTuple
 
 import torch
 
@@ -54,6 +71,7 @@ from labkit.sched.state import Batch
 from labkit.serve.prometheus import ServerMetrics
 
 IDLE_WAIT_SECONDS = 1.0  # the longest the loop sleeps when nothing can run, before it looks again
+STOP_TIMEOUT_S = 10.0  # how long a stopping engine process may take to finish its step, before it is killed
 
 
 class Unavailable(RuntimeError):
@@ -61,26 +79,22 @@ class Unavailable(RuntimeError):
 
 
 class Stream:
-    """A request's outputs on their way from the engine's thread to the event loop that made
-    the stream: each token (an int) as its step ends, then, once, the reason it finished (a
-    str: "length", "stop", "abort" or "error"). The reader awaits `get`."""
+    """A request's outputs on their way from the engine's loop to the event loop that made the
+    stream: each token (an int) as its step ends, then, once, the reason it finished (a str:
+    "length", "stop", "abort" or "error"). The reader awaits `get`."""
 
-    def __init__(self):
+    def __init__(self, submitted_at: float):
         self.loop = asyncio.get_running_loop()
         self.items: asyncio.Queue[int | str] = asyncio.Queue()
-        self.num_sent = 0
+        self.submitted_at = submitted_at
         self.last_sent_at: float | None = None
-
-    def put(self, item: int | str) -> None:
-        """From the engine's thread: queue `item` for the reader."""
-        hand_over([(self, item)])
 
     async def get(self) -> int | str:
         return await self.items.get()
 
 
 def hand_over(items: list[tuple[Stream, int | str]]) -> None:
-    """From the engine's thread: queue each (stream, item) for its reader, in order, waking each
+    """From any thread: queue each (stream, item) for its reader, in order, waking each
     reader's event loop once for them all."""
     by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Stream, int | str]]] = {}
     for stream, item in items:
@@ -95,62 +109,51 @@ def _put_each(pairs: list[tuple[Stream, int | str]]) -> None:
         stream.items.put_nowait(item)
 
 
-class OnlineEngine:
-    """An engine serving requests as they arrive, one policy decision per step."""
+class LoopReport(NamedTuple):
+    """What the loop tells the callers' side: after every step, when its queue changed before a
+    step, when it has nothing to run, and once when it ends (or fails)."""
 
-    def __init__(self, engine: Engine, policy, metrics: ServerMetrics | None = None,
-                 eos_token_ids: tuple[int, ...] = (), max_waiting: int | None = None):
-        """eos_token_ids: the model's end-of-sequence ids (a checkpoint's; TinyGPT has none);
-        max_waiting: the most requests that may wait for a slot (None: no limit)."""
-        check_policy(policy)
-        self.engine, self.policy, self.metrics, self.max_waiting = engine, policy, metrics, max_waiting
-        self.eos_token_ids = tuple(eos_token_ids)
+    outputs: list[tuple[int, list[int], str]]  # (request id, its new output ids, its finish reason or "")
+    num_scheduled: int  # requests that worked in the step (0: a report of no step)
+    num_preempted: int  # requests preempted before the step
+    num_taken: int  # requests the loop has taken in since it started
+    num_in_slots: int  # requests holding a slot, finished ones waiting to leave included
+    num_waiting: int
+    num_blocks_used: int
+    num_blocks: int
+    failure: Exception | None = None  # what ended the loop, if a step raised
+
+
+class EngineLoop:
+    """The engine's side of an online server: the `Scheduler` and the engine's `ModelRunner`,
+    stepping while there is work, fed requests and aborts from any thread. It calls `report`
+    from its own thread (`LoopReport`); `start` is the clock's zero (a `time.perf_counter()`)."""
+
+    def __init__(self, engine: Engine, policy, report: Callable[[LoopReport], None], start: float):
+        self.threads = engine.threads
         self.blocks = kv_pool(policy, engine.config.max_seq_len)
         self.runner = engine.model_runner(self.blocks)
         self.scheduler = Scheduler(policy, blocks=self.blocks, forgets_released=True)
         self.state = self.scheduler.state
-        self.start = time.perf_counter()
-        self.step_sizes: list[int] = []  # requests scheduled in each step, for the record
-        self._streams: dict[int, Stream] = {}  # request id -> its stream, while it is in flight
+        self.report, self.start = report, start
+        self.num_taken = 0
+        self._num_reported: dict[int, int] = {}  # request id -> its outputs reported, until it finishes
+        self._queue_reported = (0, 0)  # (requests taken, waiting) as the latest report said
         self._inbox: list[Request] = []
         self._aborts: list[int] = []
         self._wake = threading.Condition()
         self._stopping = False
-        self._closed = False
-        self._next_id = 0
         self._thread: threading.Thread | None = None
-        self.num_aborted_at_stop = 0
-        self.failure: Exception | None = None  # what ended the engine's thread, if a step raised
 
     def now(self) -> float:
         return time.perf_counter() - self.start
 
-    # The caller's side (any thread with a running event loop)
+    # Any thread
 
-    def submit(self, prompt_ids: list[int], max_tokens: int, priority: int = 0, ignore_eos: bool = False,
-               min_tokens: int = 0) -> tuple[int, Stream]:
-        """Queue a request whose sequence starts as `prompt_ids`, used as given (no
-        begin-of-sequence token is added, as in vLLM), with this priority (lower is served first
-        by a policy that reads it); it may stop at an EOS after `min_tokens` outputs unless
-        `ignore_eos`. Returns its id and the stream its outputs come on.
-        A ValueError names what is wrong with it; `Unavailable` says why none can be taken now."""
-        self._check(prompt_ids, max_tokens, priority)
-        self._check_eos_rule(ignore_eos, min_tokens, max_tokens)
+    def add(self, request: Request) -> None:
         with self._wake:
-            self._check_available()
-            stream = Stream()
-            request_id = self._next_id
-            self._next_id += 1
-            # the ids are the whole sequence so far, used as given (as vLLM does): the first plays
-            # the part a request's begin-of-sequence token plays in the scheduler's counts
-            request = Request(request_id, request_id, self.now(), len(prompt_ids) - 1, max_tokens, priority=priority,
-                              token_ids=prompt_ids, eos_token_ids=() if ignore_eos else self.eos_token_ids,
-                              min_tokens=min_tokens)
-            self.policy.check_fits(request)
-            self._streams[request_id] = stream
             self._inbox.append(request)
             self._wake.notify()
-        return request_id, stream
 
     def abort(self, request_id: int) -> None:
         """Drop a request at the next decision point (its client went away)."""
@@ -162,8 +165,263 @@ class OnlineEngine:
         self._thread = threading.Thread(target=self.serve_forever, name="labkit-engine", daemon=True)
         self._thread.start()
 
-    def is_running(self) -> bool:
+    def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    def stop(self) -> None:
+        """Let the loop end: it aborts what is in flight (and reports it) first. Joins its thread."""
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join()
+
+    # The loop's thread
+
+    def serve_forever(self) -> None:
+        """The serving loop, until `stop`; a step that raises is reported, then raised again."""
+        try:
+            with torch.inference_mode(), torch_threads(self.threads):
+                while self._take_in():
+                    self.state.now = self.now()
+                    batch = self.scheduler.schedule()
+                    if not batch.size:
+                        self._idle(self.scheduler.decision)
+                        continue
+                    self._report_queue()
+                    tokens = self.runner.run(batch)
+                    record = self.scheduler.postprocess(batch, tokens)
+                    self._report_step(batch, record)
+                self._abort_everyone()
+        except Exception as problem:
+            self.report(self._report_of([], failure=problem))
+            raise  # the thread's traceback, once, in the server's log
+
+    def _take_in(self) -> bool:
+        """Move new and aborted requests into the state; False once stopping."""
+        with self._wake:
+            arrived, aborted, self._inbox, self._aborts = self._inbox, self._aborts, [], []
+            stopping = self._stopping
+        for request in arrived:
+            self.state.add(request)
+            self._num_reported[request.id] = 0
+        self.num_taken += len(arrived)
+        for request_id in aborted:
+            if self._num_reported.pop(request_id, None) is not None:  # else it finished already
+                self.state.abort(request_id)
+        return not stopping
+
+    def _report_step(self, batch: Batch, record: StepRecord) -> None:
+        """Each scheduled request's new tokens, and its finish reason once it has finished."""
+        outputs = []
+        for request, _ in batch.rows:
+            num_reported = self._num_reported[request.id]
+            new = request.token_ids[request.num_prompt_tokens + num_reported :]
+            if request.is_finished:
+                del self._num_reported[request.id]
+            else:
+                self._num_reported[request.id] = num_reported + len(new)
+            if new or request.is_finished:
+                outputs.append((request.id, new, request.finish_reason))
+        self.report(self._report_of(outputs, batch.size, len(record.preempted)))
+
+    def _report_queue(self) -> None:
+        """Before a step: report the queue if it changed since the latest report (callers count
+        the requests waiting by it)."""
+        if (self.num_taken, len(self.state.waiting)) != self._queue_reported:
+            self.report(self._report_of([]))
+
+    def _report_of(self, outputs: list, num_scheduled: int = 0, num_preempted: int = 0,
+                   failure: Exception | None = None) -> LoopReport:
+        num_waiting = len(self.state.waiting)
+        self._queue_reported = (self.num_taken, num_waiting)
+        return LoopReport(outputs, num_scheduled, num_preempted, self.num_taken, len(self.state.seated), num_waiting,
+                          self.blocks.num_blocks - self.blocks.num_free_blocks, self.blocks.num_blocks, failure)
+
+    def _idle(self, decision: Decision) -> None:
+        """Nothing runs: report, then wait for a request, an abort, the policy's wake-up time or a stop."""
+        self.report(self._report_of([]))
+        timeout = IDLE_WAIT_SECONDS if decision.wake_at is None else max(0.0, decision.wake_at - self.now())
+        with self._wake:
+            if not (self._inbox or self._aborts or self._stopping):
+                self._wake.wait(timeout)
+
+    def _abort_everyone(self) -> None:
+        """On stop: every request still waiting or running is aborted, and every slot freed."""
+        self._take_in()  # the last arrivals, and the aborts of clients that left
+        outputs = [(request_id, [], "abort") for request_id in self._num_reported]
+        for request_id in self._num_reported:
+            self.state.abort(request_id)
+        self._num_reported.clear()
+        self.scheduler.release_finished()
+        self.report(self._report_of(outputs))
+
+
+class EngineProcess:
+    """An `EngineLoop` in a process of its own, as vLLM runs its engine core: requests, aborts
+    and the stop go to it through a pipe, and its reports come back through the pipe, read by a
+    thread of this process that calls `report`. The engine's model reaches the process in
+    shared memory (torch.multiprocessing). If the process ends unasked, that is reported as a
+    failure."""
+
+    def __init__(self, engine: Engine, policy, report: Callable[[LoopReport], None], start: float):
+        context = torch.multiprocessing.get_context("spawn")
+        self._pipe, theirs = context.Pipe()
+        self._process = context.Process(target=serve_in_process, args=(engine, policy, theirs, start),
+                                        name="labkit-engine", daemon=True)
+        self._reader = threading.Thread(target=self._read_reports, name="labkit-engine-reports", daemon=True)
+        self.report = report
+        self._sending = threading.Lock()
+        self._stopping = False
+
+    def start_thread(self) -> None:
+        """Start the process, and the thread that reads its reports."""
+        self._process.start()
+        self._reader.start()
+
+    def is_alive(self) -> bool:
+        return self._process.is_alive()
+
+    def add(self, request: Request) -> None:
+        self._send("add", request)
+
+    def abort(self, request_id: int) -> None:
+        self._send("abort", request_id)
+
+    def stop(self) -> None:
+        """Let the loop end, as `EngineLoop.stop`; a process that has not ended after STOP_TIMEOUT_S is killed."""
+        self._stopping = True
+        if self._process.pid is None:  # never started
+            return
+        self._send("stop", None)
+        self._process.join(STOP_TIMEOUT_S)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join()
+        self._reader.join()
+
+    def _send(self, command: str, argument) -> None:
+        with self._sending, contextlib.suppress(OSError):  # the process has ended: the reader reports it
+            self._pipe.send((command, argument))
+
+    def _read_reports(self) -> None:
+        while True:
+            try:
+                report = self._pipe.recv()
+            except (EOFError, OSError):
+                break
+            self.report(report)
+        if not self._stopping:
+            self._process.join(STOP_TIMEOUT_S)
+            ended = RuntimeError(f"the engine's process ended (exit code {self._process.exitcode})")
+            self.report(LoopReport([], 0, 0, 0, 0, 0, 0, 0, failure=ended))
+
+
+def serve_in_process(engine: Engine, policy, pipe, start: float) -> None:
+    """The engine's process: the loop on its main thread; the server's commands, read by another."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the server decides when to stop
+    loop = EngineLoop(engine, policy, partial(_send_report, pipe), start)
+    threading.Thread(target=_obey, args=(pipe, loop), name="labkit-engine-commands", daemon=True).start()
+    loop.serve_forever()
+
+
+def _obey(pipe, loop: EngineLoop) -> None:
+    """Carry out the server's commands until it says stop or goes away."""
+    commands = {"add": loop.add, "abort": loop.abort}
+    while True:
+        try:
+            command, argument = pipe.recv()
+        except (EOFError, OSError):
+            break
+        if command == "stop":
+            break
+        commands[command](argument)
+    loop.stop()
+
+
+def _send_report(pipe, report: LoopReport) -> None:
+    """Send a report to the server; a failure whose exception would not arrive whole goes as a
+    RuntimeError naming it."""
+    if report.failure is not None and not _survives_pickling(report.failure):
+        report = report._replace(failure=RuntimeError(f"{type(report.failure).__name__}: {report.failure}"))
+    pipe.send(report)
+
+
+def _survives_pickling(problem: Exception) -> bool:
+    try:
+        pickle.loads(pickle.dumps(problem))
+    except Exception:
+        return False
+    return True
+
+
+class OnlineEngine:
+    """An engine serving requests as they arrive, one policy decision per step; its loop runs in
+    a thread of this process, or, with `own_process`, in a process of its own."""
+
+    def __init__(self, engine: Engine, policy, metrics: ServerMetrics | None = None,
+                 eos_token_ids: tuple[int, ...] = (), max_waiting: int | None = None, own_process: bool = False):
+        """eos_token_ids: the model's end-of-sequence ids (a checkpoint's; TinyGPT has none);
+        max_waiting: the most requests that may wait for a slot (None: no limit)."""
+        check_policy(policy)
+        self.engine, self.policy, self.metrics, self.max_waiting = engine, policy, metrics, max_waiting
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.start = time.perf_counter()
+        self.core = (EngineProcess if own_process else EngineLoop)(engine, policy, self._take_report, self.start)
+        self.step_sizes: list[int] = []  # requests scheduled in each step, for the record
+        self.last_report: LoopReport | None = None
+        self._streams: dict[int, Stream] = {}  # request id -> its stream, while it is in flight
+        self._lock = threading.Lock()
+        self._closed = False
+        self._stopping = False
+        self._next_id = 0
+        self.num_aborted_at_stop = 0
+        self.failure: Exception | None = None  # what ended the engine's loop, if a step raised
+
+    def now(self) -> float:
+        return time.perf_counter() - self.start
+
+    def submit(self, prompt_ids: list[int], max_tokens: int, priority: int = 0, ignore_eos: bool = False,
+               min_tokens: int = 0) -> tuple[int, Stream]:
+        """Queue a request whose sequence starts as `prompt_ids`, used as given (no
+        begin-of-sequence token is added, as in vLLM), with this priority (lower is served first
+        by a policy that reads it); it may stop at an EOS after `min_tokens` outputs unless
+        `ignore_eos`. Returns its id and the stream its outputs come on.
+        A ValueError names what is wrong with it; `Unavailable` says why none can be taken now."""
+        self._check(prompt_ids, max_tokens, priority)
+        self._check_eos_rule(ignore_eos, min_tokens, max_tokens)
+        with self._lock:
+            self._check_available()
+            request_id = self._next_id
+            # the ids are the whole sequence so far, used as given (as vLLM does): the first plays
+            # the part a request's begin-of-sequence token plays in the scheduler's counts
+            request = Request(request_id, request_id, self.now(), len(prompt_ids) - 1, max_tokens, priority=priority,
+                              token_ids=prompt_ids, eos_token_ids=() if ignore_eos else self.eos_token_ids,
+                              min_tokens=min_tokens)
+            self.policy.check_fits(request)
+            self._next_id += 1
+            stream = self._streams[request_id] = Stream(request.arrival)
+            self.core.add(request)  # under the lock: before any stop
+        if self.metrics:
+            self.metrics.prompt_tokens.inc(request.num_prompt_tokens)  # the ids as given
+        return request_id, stream
+
+    def abort(self, request_id: int) -> None:
+        """End a request whose client went away: its stream ends with "abort", and it leaves the
+        loop at the next decision point."""
+        with self._lock:
+            stream = self._streams.pop(request_id, None)
+            if stream is None:  # finished already, or aborted twice
+                return
+            self.core.abort(request_id)
+        hand_over([(stream, "abort")])
+
+    def start_thread(self) -> None:
+        """Start the loop (its thread, or its process)."""
+        self.core.start_thread()
+
+    def is_running(self) -> bool:
+        return self.core.is_alive() and self.failure is None
 
     def num_in_flight(self) -> int:
         """Requests taken and not yet finished or aborted."""
@@ -171,29 +429,33 @@ class OnlineEngine:
 
     def close(self) -> None:
         """Take no more requests; the ones in flight run on."""
-        with self._wake:
+        with self._lock:
             self._closed = True
 
     def stop(self) -> int:
         """Take no more requests, abort the ones in flight, and let the loop end; returns how
         many were aborted. Calling it again returns the same count."""
-        with self._wake:
+        with self._lock:
             self._stopping = True
-            self._wake.notify()
-        if self._thread is not None:
-            self._thread.join()
+        self.core.stop()
         return self.num_aborted_at_stop
 
     def _check_available(self) -> None:
-        """Under `_wake`: an `Unavailable` when no request can be taken now."""
+        """Under `_lock`: an `Unavailable` when no request can be taken now."""
         if self.failure is not None:
             raise Unavailable(f"the engine stopped after an error ({type(self.failure).__name__}); restart the server")
         if self._closed or self._stopping:
             raise Unavailable("the server is shutting down")
-        num_waiting = len(self._inbox) + len(self.state.waiting)  # lengths: safe to read beside the engine's thread
+        num_waiting = self._num_waiting()
         if self.max_waiting is not None and num_waiting >= self.max_waiting:
             raise Unavailable(f"{num_waiting} requests are waiting for a slot, the most this server queues "
                               f"(max_waiting {self.max_waiting}); try again later")
+
+    def _num_waiting(self) -> int:
+        """Requests waiting for a slot, as the loop's latest report counts them, and those sent since."""
+        report = self.last_report
+        num_taken, num_waiting = (report.num_taken, report.num_waiting) if report else (0, 0)
+        return self._next_id - num_taken + num_waiting
 
     def _check(self, prompt_ids: list[int], max_tokens: int, priority: int) -> None:
         vocab_size, max_seq_len = self.engine.config.vocab_size, self.engine.config.max_seq_len
@@ -218,102 +480,50 @@ class OnlineEngine:
         if isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or not 0 <= min_tokens <= max_tokens:
             raise ValueError(f"min_tokens = {min_tokens!r}: must be a whole number in 0..max_tokens ({max_tokens})")
 
-    # The engine's thread
+    # The loop's reports (from its thread, or the thread reading its process's reports)
 
-    def serve_forever(self) -> None:
-        """The serving loop, until `stop`; a step that raises ends it (`_fail`)."""
-        try:
-            with torch.inference_mode(), torch_threads(self.engine.threads):
-                while self._take_in():
-                    self.state.now = self.now()
-                    batch = self.scheduler.schedule()
-                    if not batch.size:
-                        self._idle(self.scheduler.decision)
-                        continue
-                    tokens = self.runner.run(batch)
-                    record = self.scheduler.postprocess(batch, tokens)
-                    self._deliver(batch, record)
-                self._abort_everyone()
-        except Exception as problem:
-            self._fail(problem)
-            raise  # the thread's traceback, once, in the server's log
+    def _take_report(self, report: LoopReport) -> None:
+        """Hand each reported token to its stream, then its finish reason; count them."""
+        if report.failure is not None:
+            return self._fail(report.failure)
+        self.last_report = report
+        if report.num_scheduled:
+            self.step_sizes.append(report.num_scheduled)
+        moment, handed = self.now(), []
+        with self._lock:
+            for request_id, token_ids, finish_reason in report.outputs:
+                stream = self._streams.get(request_id)
+                if stream is None:  # its client left
+                    continue
+                for token in token_ids:
+                    self._observe(stream, moment)
+                    handed.append((stream, token))
+                if finish_reason:
+                    del self._streams[request_id]
+                    handed.append((stream, finish_reason))
+                    self.num_aborted_at_stop += finish_reason == "abort"  # only a stop aborts in the loop
+        hand_over(handed)
+        self._publish(report)
 
     def _fail(self, problem: Exception) -> None:
         """Tell every request in flight that the engine failed, and take none again."""
-        with self._wake:
+        with self._lock:
+            if self.failure is not None:  # the first failure is the cause
+                return
             self.failure = problem
             streams, self._streams = self._streams, {}
-        for stream in streams.values():
-            stream.put("error")
+        hand_over([(stream, "error") for stream in streams.values()])
 
-    def _take_in(self) -> bool:
-        """Move new and aborted requests into the state; False once stopping."""
-        with self._wake:
-            arrived, aborted, self._inbox, self._aborts = self._inbox, self._aborts, [], []
-            stopping = self._stopping
-        for request in arrived:
-            self.state.add(request)
-            if self.metrics:
-                self.metrics.prompt_tokens.inc(request.num_prompt_tokens)  # the ids as given
-        for request_id in aborted:
-            self._abort(request_id)
-        return not stopping
-
-    def _deliver(self, batch: Batch, record: StepRecord) -> None:
-        """Hand each scheduled request's new tokens to its stream, and its finish reason once it
-        has finished; count the step's preemptions."""
-        if self.metrics:
-            self.metrics.preemptions.inc(len(record.preempted))
-        moment, handed = self.now(), []
-        for request, _ in batch.rows:
-            stream = self._streams[request.id]
-            for token in request.token_ids[request.num_prompt_tokens + stream.num_sent :]:  # its outputs not sent
-                self._observe(request, stream, moment)
-                handed.append((stream, token))
-            if request.is_finished:
-                del self._streams[request.id]
-                handed.append((stream, request.finish_reason))
-        hand_over(handed)
-        self.step_sizes.append(batch.size)
-        self._publish_state()
-
-    def _observe(self, request: Request, stream: Stream, moment: float) -> None:
+    def _observe(self, stream: Stream, moment: float) -> None:
         """Count a token sent, and its latency: from arrival for the first, from the last one after."""
         if self.metrics:
             first = stream.last_sent_at is None
             latency = self.metrics.ttft if first else self.metrics.itl
-            latency.observe(moment - (request.arrival if first else stream.last_sent_at))
+            latency.observe(moment - (stream.submitted_at if first else stream.last_sent_at))
             self.metrics.generation_tokens.inc()
-        stream.num_sent += 1
         stream.last_sent_at = moment
 
-    def _abort(self, request_id: int) -> None:
-        """End a request its client left: out of the queue or its slot, its blocks freed."""
-        stream = self._streams.pop(request_id, None)
-        if stream is None:  # finished already, or aborted twice
-            return
-        self.state.abort(request_id)
-        stream.put("abort")
-
-    def _idle(self, decision: Decision) -> None:
-        """Nothing runs: wait for a request, an abort, the policy's wake-up time or a stop."""
-        self._publish_state()
-        timeout = IDLE_WAIT_SECONDS if decision.wake_at is None else max(0.0, decision.wake_at - self.now())
-        with self._wake:
-            if not (self._inbox or self._aborts or self._stopping):
-                self._wake.wait(timeout)
-
-    def _publish_state(self) -> None:
+    def _publish(self, report: LoopReport) -> None:
         if self.metrics:
-            used = self.blocks.num_blocks - self.blocks.num_free_blocks
-            self.metrics.set_state(len(self.state.running()) + len(self.state.finished_in_slots()),
-                                   len(self.state.waiting), used / self.blocks.num_blocks)
-
-    def _abort_everyone(self) -> None:
-        """On stop: every request still waiting or running is aborted, and every slot freed."""
-        self._take_in()  # the last arrivals, and the aborts of clients that left: those are not counted
-        self.num_aborted_at_stop = len(self._streams)
-        for request_id in list(self._streams):
-            self._abort(request_id)
-        self.scheduler.release_finished()
-        self._publish_state()
+            self.metrics.preemptions.inc(report.num_preempted)
+            self.metrics.set_state(report.num_in_slots, report.num_waiting, report.num_blocks_used / report.num_blocks)

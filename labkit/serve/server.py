@@ -61,18 +61,20 @@ def policy_from(args: argparse.Namespace):
     return lk.Dynamic(num_slots=args.slots, timeout=args.timeout, **pool)
 
 
-def build_server(engine, policy, model_name: str = DEFAULT_MODEL_NAME, checkpoint=None, limits: Limits = Limits()):
+def build_server(engine, policy, model_name: str = DEFAULT_MODEL_NAME, checkpoint=None, limits: Limits = Limits(),
+                 own_process: bool = False):
     """(app, online engine): the API for `engine` (a labkit Engine) scheduled by `policy`, under
     `limits`. With a `checkpoint` (`labkit.engine.checkpoint.Checkpoint`, the engine's model) text
     goes through its tokenizer and requests stop at its EOS ids; without, through the byte-level
-    tokenizer, never early. `labkit.serve.guards.make_server` serves the app."""
+    tokenizer, never early. The engine's loop runs in a thread of this process, or with
+    `own_process` in a process of its own. `labkit.serve.guards.make_server` serves the app."""
     from labkit.serve import tokenizer
     from labkit.serve.api import make_app
     from labkit.serve.prometheus import ServerMetrics
     from labkit.serve.online import OnlineEngine
 
     eos_token_ids = checkpoint.eos_token_ids if checkpoint else ()
-    online = OnlineEngine(engine, policy, ServerMetrics(model_name), eos_token_ids, limits.max_waiting)
+    online = OnlineEngine(engine, policy, ServerMetrics(model_name), eos_token_ids, limits.max_waiting, own_process)
     text_tokenizer = tokenizer.ModelTokenizer(checkpoint.tokenizer) if checkpoint else tokenizer
     return make_app(online, model_name, text_tokenizer, limits), online
 
@@ -128,6 +130,9 @@ def add_serve_parser(commands) -> argparse.ArgumentParser:
     parser.add_argument("--device", default="auto", metavar="{auto,cpu,cuda,mps}", help="where the model runs")
     parser.add_argument("--threads", type=whole_number(1), default=None, help="torch CPU threads")
     parser.add_argument("--seed", type=whole_number(0), default=0, help="seed of TinyGPT's weights (default 0)")
+    parser.add_argument("--engine-in-thread", action="store_true", help="run the engine's loop in a thread of the "
+                        "HTTP server's process; by default, on a CPU, it runs in a process of its own, as vLLM's "
+                        "engine core does, so that the two do not take turns at one interpreter lock")
     parser.add_argument("--plain-forward", action="store_true", help="run every step on TinyGPT.forward as "
                         "written, not on its fast path (labkit.engine.fused), which gives the same tokens sooner")
     parser.add_argument("--model-name", default=None, help=f"the served model's name (default: MODEL_DIR as "
@@ -178,8 +183,10 @@ def serve_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     except ValueError as problem:
         parser.error(str(problem))
     model_name = model_name_from(args)
-    app, online = build_server(engine, policy, model_name, checkpoint, limits)
-    print(f"serving {model_name} ({engine}) with {policy!r} on http://{args.host}:{args.port}", flush=True)
+    own_process = engine.device.type == "cpu" and not args.engine_in_thread
+    app, online = build_server(engine, policy, model_name, checkpoint, limits, own_process)
+    where = "in a process of its own" if own_process else "in a thread"
+    print(f"serving {model_name} ({engine}, {where}) with {policy!r} on http://{args.host}:{args.port}", flush=True)
     try:
         make_server(app, online, limits, args.host, args.port).run()
     except KeyboardInterrupt:  # uvicorn raises the SIGINT it caught again once it has shut down

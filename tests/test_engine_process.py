@@ -1,0 +1,139 @@
+"""The online engine with its loop in a process of its own (`own_process=True`, what `labkit
+serve` runs on a CPU): the tokens `Engine.run` gives, from the weights of the server's own
+model, the stop rule, aborts, shutdown, metrics, and a step that raises in the process, or
+the process's death, reported to every stream. (tests/test_online.py runs the same loop in a
+thread, where a test can reach into it.)"""
+
+import asyncio
+import re
+
+import pytest
+import torch
+
+import labkit as lk
+from labkit.engine import Engine
+from labkit.serve.online import OnlineEngine, Unavailable
+from labkit.serve.prometheus import ServerMetrics
+from tests.test_online import ENGINE, PROMPTS, REFERENCE, TINY, TRACE, read_items, serve
+
+PREEMPTING = lk.Continuous(num_slots=2, num_blocks=11, block_size=4, victim="longest")  # preempts once
+
+
+def started(policy=lk.Continuous(num_slots=2), engine: Engine = ENGINE, **options) -> OnlineEngine:
+    online = OnlineEngine(engine, policy, own_process=True, **options)
+    online.start_thread()
+    return online
+
+
+def drained(online: OnlineEngine) -> bool:
+    """The loop's latest report: nobody holds a slot or waits, and every KV block is free."""
+    report = online.last_report
+    return report.num_in_slots == report.num_waiting == report.num_blocks_used == 0
+
+
+def every_request() -> list[tuple[list[int], int, dict]]:
+    return [(prompt, int(n), {}) for prompt, n in zip(PROMPTS, TRACE.output_lengths)]
+
+
+def boom(seconds: float) -> None:
+    """A step's host work that fails (the process finds it by name: it is picklable)."""
+    raise RuntimeError("boom")
+
+
+def test_the_process_serves_the_tokens_of_engine_run_and_counts_them():
+    metrics = ServerMetrics("tiny")
+    online = started(PREEMPTING, metrics=metrics)
+    try:
+        items = serve(online, every_request())
+    finally:
+        assert online.stop() == 0
+    assert items == [[*REFERENCE[int(rid)], "length"] for rid in TRACE.ids]
+    assert drained(online) and not online.is_running()
+    assert metrics.generation_tokens._value.get() == TRACE.output_lengths.sum()
+    assert metrics.preemptions._value.get() == 1  # its one preemption, counted from the process's reports
+
+
+def test_the_process_runs_the_servers_weights():
+    """Negative control: the same engine with its output matrix negated in the server's process,
+    before the loop starts, gives other tokens: the process computes with the weights it was given."""
+    changed = Engine(TINY, device="cpu", seed=0, threads=1)
+    with torch.no_grad():
+        changed.model.lm_head.weight.neg_()
+    online = started(PREEMPTING, engine=changed)
+    try:
+        items = serve(online, every_request())
+    finally:
+        online.stop()
+    assert items != [[*REFERENCE[int(rid)], "length"] for rid in TRACE.ids]
+
+
+def test_an_eos_ends_a_request_in_the_process():
+    outputs = REFERENCE[2]
+    eos = outputs[3]
+    online = started(eos_token_ids=(eos,))
+    try:
+        stopped, ignored = serve(online, [(PROMPTS[2], 9, {}), (PROMPTS[2], 9, {"ignore_eos": True})])
+    finally:
+        online.stop()
+    assert stopped == [*outputs[: outputs.index(eos) + 1], "stop"]
+    assert ignored == [*outputs, "length"]  # the control
+
+
+def test_an_abort_ends_the_stream_and_frees_the_slot_in_the_process():
+    online = started(lk.Continuous(num_slots=1))
+
+    async def abort_the_first():
+        request_id, stream = online.submit(PROMPTS[0], 100)
+        _, waiting = online.submit(PROMPTS[4], 3)
+        first = await asyncio.wait_for(stream.get(), 60)
+        online.abort(request_id)
+        return first, await asyncio.wait_for(read_items(stream), 20), await asyncio.wait_for(read_items(waiting), 20)
+
+    try:
+        first, rest, waiting = asyncio.run(abort_the_first())
+    finally:
+        assert online.stop() == 0  # the client that left is not counted
+    assert isinstance(first, int) and rest == ["abort"]
+    assert waiting == [*REFERENCE[4][:3], "length"]
+    assert drained(online)
+
+
+def test_stop_aborts_what_is_in_the_process_and_counts_it():
+    online = started(lk.Continuous(num_slots=1))
+
+    async def stop_with_two_in_flight():
+        running, waiting = online.submit(PROMPTS[0], 100)[1], online.submit(PROMPTS[4], 100)[1]
+        assert isinstance(await asyncio.wait_for(running.get(), 60), int)
+        num_aborted = await asyncio.to_thread(online.stop)
+        with pytest.raises(Unavailable, match="shutting down"):
+            online.submit(PROMPTS[0], 1)
+        return num_aborted, (await read_items(running))[-1], await read_items(waiting)
+
+    assert asyncio.run(stop_with_two_in_flight()) == (2, "abort", ["abort"])
+    assert online.stop() == 2 and drained(online) and not online.is_running()
+
+
+def test_a_step_that_raises_in_the_process_ends_every_request_with_its_error():
+    failing = Engine(TINY, device="cpu", seed=0, threads=1, extra_host_seconds=1e-6, extra_host_work=boom)
+    online = started(engine=failing)
+    (items,) = serve(online, [(PROMPTS[0], 4, {})])
+    assert items == ["error"]
+    assert isinstance(online.failure, RuntimeError) and str(online.failure) == "boom"
+    with pytest.raises(Unavailable, match=re.escape("the engine stopped after an error (RuntimeError)")):
+        online.submit(PROMPTS[0], 1)
+    online.stop()
+    assert not online.is_running()
+
+
+def test_a_process_that_dies_ends_every_request_with_an_error():
+    online = started()
+
+    async def kill_it_mid_request():
+        _, stream = online.submit(PROMPTS[0], 100)
+        assert isinstance(await asyncio.wait_for(stream.get(), 60), int)
+        online.core._process.kill()
+        return (await asyncio.wait_for(read_items(stream), 20))[-1]
+
+    assert asyncio.run(kill_it_mid_request()) == "error"
+    assert str(online.failure) == "the engine's process ended (exit code -9)" and not online.is_running()
+    online.stop()
