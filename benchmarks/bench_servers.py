@@ -33,7 +33,8 @@ A second section, `streams`, measures decode at 8 and 32 concurrent streams (eac
 16-token prompt and 256 new tokens, all sent at once), three ways on the same weights and
 requests, taking turns in every round: the engine `labkit serve` runs, in this process
 (`Engine.run`, the engine and policy built from the same command line by the server's own
-functions), `labkit serve --slots N` over HTTP, and `vllm serve --max-num-seqs N`. labkit
+functions), `labkit serve --slots N` over HTTP (its engine's loop in a process of its own, as
+`labkit serve` runs it on a CPU), and `vllm serve --max-num-seqs N`. labkit
 gets 1,024 blocks of 16 here, so that 32 streams fit and none is preempted (vLLM's 1 GiB
 holds them all too); the other knobs are the lesson's. It
 records each round's tokens/s, the ratios serve / in-process and labkit serve / vLLM (per

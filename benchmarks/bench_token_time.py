@@ -15,9 +15,10 @@ that take turns (medians, and the lowest and highest round):
    server has no knob for the plain one). A token's milliseconds split into: forward,
    prepare, sample and scheduler (schedule, which holds the policy, its bookkeeping and the
    log), summed over the run's steps and divided by its tokens; the online loop's own cost
-   (1/tokens/s online minus in-process); and the front end (1/tokens/s over HTTP minus
-   online: FastAPI, the event loop, the stream's chunks, and the interpreter lock they share
-   with the engine's thread).
+   (1/tokens/s online minus in-process; its loop runs in a thread beside the clients' event
+   loop); and the front end (1/tokens/s over HTTP minus online: FastAPI, the event loop and
+   the stream's chunks in the server's process, the pipe to the engine's process, and a
+   client that parses every chunk; below zero when the server's two processes beat one).
 2. `forward`: one decode step of R rows at the streams' mean context, phase by phase with a
    clock between phases: the path's own operations in its own order, on a cache of the
    server's size laid out as a run lays it out (each request's blocks taken in turn), each

@@ -80,7 +80,8 @@ def test_an_eos_ends_a_request_in_the_process():
 
 
 def test_an_abort_ends_the_stream_and_frees_the_slot_in_the_process():
-    online = started(lk.Continuous(num_slots=1))
+    metrics = ServerMetrics("tiny")
+    online = started(lk.Continuous(num_slots=1), metrics=metrics)
 
     async def abort_the_first():
         request_id, stream = online.submit(PROMPTS[0], 100)
@@ -96,6 +97,7 @@ def test_an_abort_ends_the_stream_and_frees_the_slot_in_the_process():
     assert isinstance(first, int) and rest == ["abort"]
     assert waiting == [*REFERENCE[4][:3], "length"]
     assert drained(online)
+    assert [gauge._value.get() for gauge in (metrics.running, metrics.waiting, metrics.kv_usage)] == [0, 0, 0]
 
 
 def test_stop_aborts_what_is_in_the_process_and_counts_it():

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import re
 import signal
 import socket
@@ -17,12 +18,14 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
 
 import labkit as lk
+from labkit.engine import Engine, ModelConfig
 from labkit.serve.guards import QuietRepeats
 from labkit.serve.limits import Limits
 from labkit.serve.processes import answers_health
@@ -544,3 +547,37 @@ def test_a_second_ctrl_c_ends_open_streams_with_an_error_and_the_process_cleanly
     assert len(endings) == 2
     assert re.fullmatch(r"labkit serve: stopped after \d+ steps; 2 requests cut short at shutdown\n",
                         log_path.read_text()[log_before:])
+
+
+def children_of(pid: int) -> list[int]:
+    """The process ids of `pid`'s children (Linux)."""
+    return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def test_ctrl_c_to_the_whole_group_lets_the_engines_process_finish_open_streams(tmp_path):
+    """Ctrl-C reaches every process of the terminal's group, the engine's process too: it ignores
+    it, so an open stream still gets every token in the grace period; then the server's process
+    exits cleanly and leaves no child behind. (The test runs it in a group of its own.)"""
+    port, log_path = free_port(), tmp_path / "log.txt"
+    with open(log_path, "w") as log:
+        process = subprocess.Popen([sys.executable, "-m", "labkit", "serve", "--port", str(port), "--device", "cpu",
+                                    "--threads", "1"], stdout=log, stderr=log, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        assert wait_until(lambda: answers_health(url), 60), "labkit serve did not start"
+        children = children_of(process.pid)
+        assert children  # the engine's process, at least
+        payload = {"model": "tinygpt", "prompt": [0, 5, 6], "max_tokens": 300, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=payload, timeout=30) as answer:
+            lines = answer.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            os.killpg(process.pid, signal.SIGINT)
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert process.wait(timeout=20) == 0
+    finally:
+        process.kill()
+    assert "in a process of its own" in log_path.read_text()
+    tokens = [json.loads(line[6:])["choices"][0]["token_ids"] for line in [first, *rest[:-1]]]
+    served = Engine(ModelConfig(), device="cpu", seed=0, threads=1, fused=True)  # what the server runs
+    assert sum(tokens, []) == reference_tokens(served, [[5, 6]], [300])[0] and rest[-1] == "data: [DONE]"
+    assert wait_until(lambda: not any(Path(f"/proc/{child}").exists() for child in children), 10)
