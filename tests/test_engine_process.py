@@ -1,8 +1,8 @@
 """The online engine with its loop in a process of its own (`own_process=True`, what `labkit
 serve` runs on a CPU): the tokens `Engine.run` gives, from the weights of the server's own
-model, the stop rule, aborts, shutdown, metrics, and a step that raises in the process, or
-the process's death, reported to every stream. (tests/test_online.py runs the same loop in a
-thread, where a test can reach into it.)"""
+model, its metrics, and a step that raises in the process, or the process's death, reported
+to every stream. (tests/test_online.py runs the same loop in a thread, where a test can reach
+into it, and the stop rule, aborts and shutdown in both.)"""
 
 import asyncio
 import re
@@ -14,7 +14,7 @@ import labkit as lk
 from labkit.engine import Engine
 from labkit.serve.online import OnlineEngine, Unavailable
 from labkit.serve.prometheus import ServerMetrics
-from tests.test_online import ENGINE, PROMPTS, REFERENCE, TINY, TRACE, read_items, serve
+from tests.test_online import ENGINE, PROMPTS, REFERENCE, TINY, TRACE, drained, read_items, serve
 
 PREEMPTING = lk.Continuous(num_slots=2, num_blocks=11, block_size=4, victim="longest")  # preempts once
 
@@ -23,12 +23,6 @@ def started(policy=lk.Continuous(num_slots=2), engine: Engine = ENGINE, **option
     online = OnlineEngine(engine, policy, own_process=True, **options)
     online.start_thread()
     return online
-
-
-def drained(online: OnlineEngine) -> bool:
-    """The loop's latest report: nobody holds a slot or waits, and every KV block is free."""
-    report = online.last_report
-    return report.num_in_slots == report.num_waiting == report.num_blocks_used == 0
 
 
 def every_request() -> list[tuple[list[int], int, dict]]:
@@ -65,54 +59,6 @@ def test_the_process_runs_the_servers_weights():
     finally:
         online.stop()
     assert items != [[*REFERENCE[int(rid)], "length"] for rid in TRACE.ids]
-
-
-def test_an_eos_ends_a_request_in_the_process():
-    outputs = REFERENCE[2]
-    eos = outputs[3]
-    online = started(eos_token_ids=(eos,))
-    try:
-        stopped, ignored = serve(online, [(PROMPTS[2], 9, {}), (PROMPTS[2], 9, {"ignore_eos": True})])
-    finally:
-        online.stop()
-    assert stopped == [*outputs[: outputs.index(eos) + 1], "stop"]
-    assert ignored == [*outputs, "length"]  # the control
-
-
-def test_an_abort_ends_the_stream_and_frees_the_slot_in_the_process():
-    metrics = ServerMetrics("tiny")
-    online = started(lk.Continuous(num_slots=1), metrics=metrics)
-
-    async def abort_the_first():
-        request_id, stream = online.submit(PROMPTS[0], 100)
-        _, waiting = online.submit(PROMPTS[4], 3)
-        first = await asyncio.wait_for(stream.get(), 60)
-        online.abort(request_id)
-        return first, await asyncio.wait_for(read_items(stream), 20), await asyncio.wait_for(read_items(waiting), 20)
-
-    try:
-        first, rest, waiting = asyncio.run(abort_the_first())
-    finally:
-        assert online.stop() == 0  # the client that left is not counted
-    assert isinstance(first, int) and rest == ["abort"]
-    assert waiting == [*REFERENCE[4][:3], "length"]
-    assert drained(online)
-    assert [gauge._value.get() for gauge in (metrics.running, metrics.waiting, metrics.kv_usage)] == [0, 0, 0]
-
-
-def test_stop_aborts_what_is_in_the_process_and_counts_it():
-    online = started(lk.Continuous(num_slots=1))
-
-    async def stop_with_two_in_flight():
-        running, waiting = online.submit(PROMPTS[0], 100)[1], online.submit(PROMPTS[4], 100)[1]
-        assert isinstance(await asyncio.wait_for(running.get(), 60), int)
-        num_aborted = await asyncio.to_thread(online.stop)
-        with pytest.raises(Unavailable, match="shutting down"):
-            online.submit(PROMPTS[0], 1)
-        return num_aborted, (await read_items(running))[-1], await read_items(waiting)
-
-    assert asyncio.run(stop_with_two_in_flight()) == (2, "abort", ["abort"])
-    assert online.stop() == 2 and drained(online) and not online.is_running()
 
 
 def test_a_step_that_raises_in_the_process_ends_every_request_with_its_error():

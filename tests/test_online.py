@@ -1,6 +1,8 @@
-"""The online engine in one process, without HTTP: the same three calls as `drive`, requests
-that arrive while it runs, their stop rule, aborts, failures and shutdown. (tests/test_serve.py
-drives it through the HTTP API, in a server of its own.)"""
+"""The online engine without HTTP: the same three calls as `drive`, requests that arrive while
+it runs, their stop rule, aborts, failures and shutdown, its loop in a thread (and, for the
+stop rule, aborts and shutdown, in a process of its own too: those runs are `integration`,
+as tests/test_engine_process.py is). (tests/test_serve.py drives it through the HTTP API, in
+a server of its own.)"""
 
 import asyncio
 import re
@@ -17,6 +19,10 @@ ENGINE = Engine(TINY, device="cpu", seed=0, threads=1)
 TRACE = lk.Trace.from_lengths([5, 1, 9, 3, 7, 2], prompt_lengths=[3, 0, 12, 1, 20, 6])
 PROMPTS = [ENGINE.prompt_ids(int(rid), int(n)) for rid, n in zip(TRACE.ids, TRACE.prompt_lengths)]  # BOS first
 REFERENCE = ENGINE.run(TRACE, lk.Continuous(num_slots=3), progress=False).outputs
+
+
+IN_A_THREAD_OR_A_PROCESS = [pytest.param(False, id="thread"),
+                            pytest.param(True, id="own process", marks=pytest.mark.integration)]
 
 
 def started(policy=lk.Continuous(num_slots=2), **options) -> OnlineEngine:
@@ -47,6 +53,13 @@ def pool_is_full(online: OnlineEngine) -> bool:
     return online.core.blocks.num_free_blocks == online.core.blocks.num_blocks
 
 
+def drained(online: OnlineEngine) -> bool:
+    """The loop's latest report (a loop in a process of its own, too): nobody holds a slot or
+    waits, and every KV block is free."""
+    report = online.last_report
+    return report.num_in_slots == report.num_waiting == report.num_blocks_used == 0
+
+
 @pytest.mark.parametrize("policy", [
     lk.Static(num_slots=2),
     lk.Static(num_slots=3, num_blocks=20, block_size=4),
@@ -63,20 +76,21 @@ def test_every_policy_serves_online_with_engine_run_tokens(policy):
     assert pool_is_full(online) and not online.core.state.by_id  # released requests are forgotten
 
 
-def test_an_eos_ends_a_request_there_and_frees_its_slot():
+@pytest.mark.parametrize("own_process", IN_A_THREAD_OR_A_PROCESS)
+def test_an_eos_ends_a_request_there_and_frees_its_slot(own_process):
     """Request 2's greedy outputs, with its fourth output as the model's EOS id: it stops at
     the first time it samples that id, which is its last token; `ignore_eos` runs it to the end."""
     outputs = REFERENCE[2]
     eos = outputs[3]
     first = outputs.index(eos)
-    online = started(eos_token_ids=(eos,))
+    online = started(eos_token_ids=(eos,), own_process=own_process)
     try:
         stopped, ignored = serve(online, [(PROMPTS[2], 9, {}), (PROMPTS[2], 9, {"ignore_eos": True})])
     finally:
         online.stop()
     assert stopped == [*outputs[: first + 1], "stop"]
     assert ignored == [*outputs, "length"]  # the control
-    assert pool_is_full(online)
+    assert drained(online)
 
 
 def test_min_tokens_masks_the_eos_until_then():
@@ -93,38 +107,43 @@ def test_min_tokens_masks_the_eos_until_then():
     assert masked[-1] in ("stop", "length") and len(masked) >= 3
 
 
-def test_an_abort_frees_the_slot_and_ends_the_stream():
-    online = started(lk.Continuous(num_slots=1))
+@pytest.mark.parametrize("own_process", IN_A_THREAD_OR_A_PROCESS)
+def test_an_abort_frees_the_slot_and_ends_the_stream(own_process):
+    metrics = ServerMetrics("tiny")
+    online = started(lk.Continuous(num_slots=1), metrics=metrics, own_process=own_process)
 
     async def abort_the_first():
         request_id, stream = online.submit(PROMPTS[0], 100)
         _, waiting = online.submit(PROMPTS[4], 3)
-        first = await asyncio.wait_for(stream.get(), 20)
+        first = await asyncio.wait_for(stream.get(), 60)  # a process takes seconds to start
         online.abort(request_id)
         return first, await asyncio.wait_for(read_items(stream), 20), await asyncio.wait_for(read_items(waiting), 20)
 
     try:
         first, rest, waiting = asyncio.run(abort_the_first())
     finally:
-        online.stop()
-    assert isinstance(first, int) and rest[-1] == "abort" and len(rest) < 100
+        assert online.stop() == 0  # the client that left is not counted
+    assert isinstance(first, int) and rest[-1] == "abort" and len(rest) < 100  # what was on its way, then the end
+    assert all(isinstance(token, int) for token in rest[:-1])
     assert waiting == [*REFERENCE[4][:3], "length"]  # greedy: the first 3 of its 7 outputs
-    assert pool_is_full(online) and not online.core.state.by_id
+    assert drained(online)
+    assert [gauge._value.get() for gauge in (metrics.running, metrics.waiting, metrics.kv_usage)] == [0, 0, 0]
 
 
-def test_stop_aborts_what_is_in_flight_and_counts_it():
-    online = started(lk.Continuous(num_slots=1))
+@pytest.mark.parametrize("own_process", IN_A_THREAD_OR_A_PROCESS)
+def test_stop_aborts_what_is_in_flight_and_counts_it(own_process):
+    online = started(lk.Continuous(num_slots=1), own_process=own_process)
 
     async def stop_with_two_in_flight():
         running, waiting = online.submit(PROMPTS[0], 100)[1], online.submit(PROMPTS[4], 100)[1]
-        assert isinstance(await asyncio.wait_for(running.get(), 20), int)
+        assert isinstance(await asyncio.wait_for(running.get(), 60), int)
         num_aborted = await asyncio.to_thread(online.stop)
         with pytest.raises(Unavailable, match="shutting down"):
             online.submit(PROMPTS[0], 1)
         return num_aborted, (await read_items(running))[-1], await read_items(waiting)
 
     assert asyncio.run(stop_with_two_in_flight()) == (2, "abort", ["abort"])
-    assert online.stop() == 2 and pool_is_full(online)
+    assert online.stop() == 2 and drained(online) and not online.is_running()
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the thread re-raises

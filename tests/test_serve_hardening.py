@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -315,6 +316,23 @@ def test_a_bad_limit_flag_is_one_error_line(argv, message, capsys):
         main(["serve", "--device", "cpu", *argv])
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.splitlines()[-1] == f"labkit serve: error: {message}"
+
+
+def test_weights_that_do_not_fit_in_shared_memory_are_one_error_line(monkeypatch, capsys):
+    """The engine's process gets the weights through /dev/shm: where they do not fit (a default
+    container has 64 MB), the server says so and how to fix it, before it starts."""
+    from labkit.cli import main
+    from labkit.serve import server
+
+    room = Engine(ModelConfig(), device="cpu", seed=0, threads=1)
+    server.check_shared_memory(room)  # the control: this machine's /dev/shm holds TinyGPT
+    monkeypatch.setattr(server.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(64 << 20, 63 << 20, 1 << 20))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--device", "cpu", "--threads", "1"])
+    assert exit_info.value.code == 2
+    assert re.fullmatch(r"labkit serve: error: the model's weights \(\d+ MiB\) do not fit in /dev/shm \(1 MiB free\), "
+                        r"through which the engine's process gets them: give it more room \(docker run --shm-size 4g\) "
+                        r"or pass --engine-in-thread", capsys.readouterr().err.splitlines()[-1])
 
 
 @pytest.mark.parametrize("field, value, message", [

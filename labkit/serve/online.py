@@ -161,7 +161,8 @@ class EngineLoop:
             self._aborts.append(request_id)
             self._wake.notify()
 
-    def start_thread(self) -> None:
+    def run_in_background(self) -> None:
+        """Start the loop in a thread of its own."""
         self._thread = threading.Thread(target=self.serve_forever, name="labkit-engine", daemon=True)
         self._thread.start()
 
@@ -274,7 +275,7 @@ class EngineProcess:
         self._sending = threading.Lock()
         self._stopping = False
 
-    def start_thread(self) -> None:
+    def run_in_background(self) -> None:
         """Start the process, and the thread that reads its reports."""
         self._process.start()
         self._reader.start()
@@ -418,7 +419,7 @@ class OnlineEngine:
 
     def start_thread(self) -> None:
         """Start the loop (its thread, or its process)."""
-        self.core.start_thread()
+        self.core.run_in_background()
 
     def is_running(self) -> bool:
         return self.core.is_alive() and self.failure is None

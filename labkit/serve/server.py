@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 
 import labkit as lk
 from labkit.args import number, whole_number
@@ -90,6 +91,21 @@ def engine_from(args: argparse.Namespace):
         return Engine(config, device=args.device, seed=args.seed, threads=args.threads, fused=fused), None
     checkpoint = load_checkpoint(args.model_dir, max_seq_len=args.max_model_len)
     return Engine(model=checkpoint.model, device=args.device, threads=args.threads, fused=fused), checkpoint
+
+
+def check_shared_memory(engine, shared_memory: str = "/dev/shm") -> None:
+    """A ValueError if the model's weights do not fit in `shared_memory`, through which the
+    engine's process gets them (torch.multiprocessing); nothing where there is no such folder."""
+    if not os.path.isdir(shared_memory):
+        return
+    model = engine.model
+    storages = {tensor.untyped_storage().data_ptr(): tensor.untyped_storage().nbytes()
+                for tensor in [*model.parameters(), *model.buffers()]}  # tied weights share one
+    needed, free = sum(storages.values()), shutil.disk_usage(shared_memory).free
+    if needed > free:
+        raise ValueError(f"the model's weights ({needed / 2**20:.0f} MiB) do not fit in {shared_memory} ({free / 2**20:.0f} "
+                         "MiB free), through which the engine's process gets them: give it more room (docker run "
+                         "--shm-size 4g) or pass --engine-in-thread")
 
 
 def model_name_from(args: argparse.Namespace) -> str:
@@ -180,10 +196,12 @@ def serve_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         raise_open_file_limit()
         max_open_connections(limits.max_connections)  # a ValueError if the open-file limit leaves no room
         engine, checkpoint = engine_from(args)
+        own_process = engine.device.type == "cpu" and not args.engine_in_thread
+        if own_process:
+            check_shared_memory(engine)
     except ValueError as problem:
         parser.error(str(problem))
     model_name = model_name_from(args)
-    own_process = engine.device.type == "cpu" and not args.engine_in_thread
     app, online = build_server(engine, policy, model_name, checkpoint, limits, own_process)
     where = "in a process of its own" if own_process else "in a thread"
     print(f"serving {model_name} ({engine}, {where}) with {policy!r} on http://{args.host}:{args.port}", flush=True)
