@@ -1,8 +1,9 @@
 """The server's Prometheus metrics, under vLLM's names, so dashboards and scrapers built for
 vLLM read `labkit serve` too. (`labkit.analysis.metrics` reads TTFT and ITL from a run's log.)
 
-Gauges are set from the scheduler's state after every step; counters and histograms grow as
-requests arrive, tokens stream and preemptions happen. Each server has its own registry.
+Gauges are set from the scheduler's state as the engine's loop reports it, after every step
+and when it goes idle; counters and histograms grow as requests arrive, tokens stream and
+preemptions happen. Each server has its own registry.
 """
 
 from __future__ import annotations
