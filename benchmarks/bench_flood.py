@@ -1,79 +1,84 @@
-"""What one client that floods `labkit serve` does to another client's time to first token.
+"""What one client that floods `labkit serve` does to another client's time to first token,
+under first come, first served and under `--policy fair`.
 
-`labkit serve` has no per-client fairness: its queue is first come, first served (or by the
-`priority` field), whoever sent the requests. This measures the cost of that on the default
-server (TinyGPT, 8 slots, one CPU thread): a quiet client's TTFT alone (the median of five
-requests), then the TTFT of one request it sends once a flooding client holds `--flood`
-streams of `--flood-tokens` tokens each (8 of them running, the rest waiting).
+`labkit serve` (TinyGPT, 8 slots, one CPU thread, its engine's loop in a process of its own)
+is started once per policy. A polite client (`user: "polite"`) first measures its TTFT alone:
+the median of five requests of 8 tokens, one after another. Then a flooding client (`user:
+"flood"`) keeps `--flood` streams of `--flood-tokens` tokens open, each sending its next
+request as soon as one ends (a notebook cell with `asyncio.gather` over many prompts does the
+same); once the server's queue holds the flood (8 running, the rest waiting), the polite
+client sends its five requests again, one after another, and their TTFTs are kept. Under
+first come, first served each waits behind the queue the flood keeps full; under `fair` it
+is admitted at the next free slot, its client having been served the fewest tokens.
 
-Results go to benchmarks/results/flood-<device>.json.
-Run: `python benchmarks/bench_flood.py` (about half a minute on a 2-core CPU).
+Results go to benchmarks/results/flood-cpu.json.
+Run: `python benchmarks/bench_flood.py` (about a minute on a 2-core CPU).
 """
 
 import argparse
 import asyncio
 import datetime
 import json
+import os
 import platform
 import statistics
-import threading
 import time
 from pathlib import Path
 
 import httpx
 
-import labkit as lk
-from labkit.engine import Engine, ModelConfig
-from labkit.serve.guards import make_server
-from labkit.serve.limits import Limits
-from labkit.serve.processes import free_port
-from labkit.serve.server import build_server
+from labkit.serve.processes import start_labkit_serve
 
 RESULTS = Path(__file__).resolve().parent / "results"
-QUIET_PROMPT, QUIET_TOKENS = list(range(1, 17)), 16  # the quiet client's request: 16 prompt tokens, 16 out
+POLITE_PROMPT, POLITE_TOKENS, POLITE_REQUESTS = list(range(1, 17)), 8, 5  # 16 prompt tokens (BOS first), 8 out
+SLOTS = 8
+POLICIES = ("continuous", "fair")
 
 
-def serve() -> tuple[str, object, threading.Thread]:
-    """(url, uvicorn server, its thread) of `labkit serve`'s default TinyGPT with 8 slots."""
-    port = free_port()
-    limits = Limits(shutdown_grace=0.1)
-    app, online = build_server(Engine(ModelConfig(), device="cpu", seed=0, threads=1), lk.Continuous(num_slots=8),
-                               limits=limits)
-    server = make_server(app, online, limits, port=port)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    return f"http://127.0.0.1:{port}", server, thread
-
-
-async def ttft(client: httpx.AsyncClient, url: str, max_tokens: int = QUIET_TOKENS, prompt=QUIET_PROMPT) -> float:
+async def ttft(client: httpx.AsyncClient, url: str, user: str, max_tokens: int, prompt: list[int]) -> float:
     """Seconds from sending a streamed request to its first token; the stream is then read to its end."""
-    payload = {"model": "tinygpt", "prompt": prompt, "max_tokens": max_tokens, "stream": True}
+    payload = {"model": "tinygpt", "prompt": prompt, "max_tokens": max_tokens, "stream": True, "user": user}
     sent, first = time.perf_counter(), None
     async with client.stream("POST", f"{url}/v1/completions", json=payload) as answer:
+        answer.raise_for_status()
         async for line in answer.aiter_lines():
             if first is None and line.startswith("data: {"):
                 first = time.perf_counter() - sent
     return first
 
 
-async def waiting(client: httpx.AsyncClient, url: str) -> float:
+async def num_waiting(client: httpx.AsyncClient, url: str) -> float:
     lines = (await client.get(f"{url}/metrics")).text.splitlines()
     return next(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("vllm:num_requests_waiting"))
 
 
+async def polite_ttfts(client: httpx.AsyncClient, url: str) -> list[float]:
+    return [await ttft(client, url, "polite", POLITE_TOKENS, POLITE_PROMPT) for _ in range(POLITE_REQUESTS)]
+
+
+async def flood_stream(client: httpx.AsyncClient, url: str, tokens: int, stop: asyncio.Event) -> int:
+    """One of the flood's streams: request after request until `stop`; how many it sent."""
+    sent = 0
+    while not stop.is_set():
+        await ttft(client, url, "flood", tokens, [0, 7])
+        sent += 1
+    return sent
+
+
 async def measure(url: str, flood: int, flood_tokens: int) -> dict:
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=flood + 8)) as client:
-        await ttft(client, url)  # warm-up
-        alone = [await ttft(client, url) for _ in range(5)]
-        flooding = [asyncio.create_task(ttft(client, url, flood_tokens, [7])) for _ in range(flood)]
-        while await waiting(client, url) < flood - 8:  # the flood is in: 8 running, the rest queued
+        await ttft(client, url, "polite", POLITE_TOKENS, POLITE_PROMPT)  # warm-up
+        alone = await polite_ttfts(client, url)
+        stop = asyncio.Event()
+        flooding = [asyncio.create_task(flood_stream(client, url, flood_tokens, stop)) for _ in range(flood)]
+        while await num_waiting(client, url) < flood - SLOTS:  # the flood is in: 8 running, the rest queued
             await asyncio.sleep(0.05)
-        behind_flood = await ttft(client, url)
-        await asyncio.gather(*flooding)
-    return {"quiet_ttft_alone_median_s": statistics.median(alone), "quiet_ttft_behind_flood_s": behind_flood,
-            "flood_streams": flood, "flood_tokens_each": flood_tokens}
+        behind = await polite_ttfts(client, url)
+        stop.set()
+        flood_requests = sum(await asyncio.gather(*flooding))
+    return {"polite_ttft_alone_s": alone, "polite_ttft_alone_median_s": statistics.median(alone),
+            "polite_ttft_behind_flood_s": behind, "polite_ttft_behind_flood_median_s": statistics.median(behind),
+            "flood_requests_sent": flood_requests}
 
 
 def main() -> None:
@@ -81,16 +86,17 @@ def main() -> None:
     parser.add_argument("--flood", type=int, default=64, help="the flooding client's concurrent streams (default 64)")
     parser.add_argument("--flood-tokens", type=int, default=128, help="tokens each of them asks for (default 128)")
     args = parser.parse_args()
-    url, server, thread = serve()
-    try:
-        result = asyncio.run(measure(url, args.flood, args.flood_tokens))
-    finally:
-        server.should_exit = True
-        thread.join()
-    result.update(date=datetime.date.today().isoformat(), machine=platform.machine(), slots=8)
-    print(f"quiet client's TTFT alone: {result['quiet_ttft_alone_median_s'] * 1000:.0f} ms (median of 5); behind "
-          f"{args.flood} streams of {args.flood_tokens} tokens from one flooding client: "
-          f"{result['quiet_ttft_behind_flood_s']:.2f} s")
+    result = {"date": datetime.date.today().isoformat(), "machine": platform.machine(), "cpus": os.cpu_count(),
+              "load_average": round(os.getloadavg()[0], 2), "slots": SLOTS, "flood_streams": args.flood,
+              "flood_tokens_each": args.flood_tokens, "polite_tokens": POLITE_TOKENS, "by_policy": {}}
+    for policy in POLICIES:
+        with start_labkit_serve("--policy", policy, "--slots", str(SLOTS), "--device", "cpu", "--threads", "1") as server:
+            server.wait_until_healthy()
+            result["by_policy"][policy] = asyncio.run(measure(server.url, args.flood, args.flood_tokens))
+        run = result["by_policy"][policy]
+        print(f"--policy {policy}: polite TTFT alone {run['polite_ttft_alone_median_s'] * 1000:.0f} ms, behind "
+              f"{args.flood} streams of {args.flood_tokens} tokens {run['polite_ttft_behind_flood_median_s']:.2f} s "
+              f"(medians of {POLITE_REQUESTS})", flush=True)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "flood-cpu.json").write_text(json.dumps(result, indent=2) + "\n")
 

@@ -10,7 +10,7 @@ import importlib
 
 from labkit import theory
 from labkit.analysis import ByPrice, CostModel, by_price, capacity, hardware, metrics, multiplier, two_prices
-from labkit.sched import (Continuous, Decision, Dynamic, ExecutionShape, Priority, SchedulerState,
+from labkit.sched import (Continuous, Decision, Dynamic, ExecutionShape, Fair, Priority, SchedulerState,
                           ShortestPredictedFirst, Static, StepLog, simulate, vllm_capture_sizes)
 from labkit.traffic import Trace
 
@@ -21,6 +21,7 @@ __all__ = [
     "Decision",
     "Dynamic",
     "ExecutionShape",
+    "Fair",
     "Priority",
     "SchedulerState",
     "ShortestPredictedFirst",

@@ -80,6 +80,8 @@ class Trace:
 
     priorities: one whole number per request, lower served first by a policy that reads
     them (`labkit.Priority`, as vLLM's `priority`); all 0 unless given.
+    clients: one whole number per request, the client that sent it, which a policy that shares
+    the engine between clients reads (`labkit.Fair`); all 0 (one client) unless given.
     """
 
     output_lengths: np.ndarray
@@ -89,6 +91,7 @@ class Trace:
     labels: tuple[str, ...] = field(default=())
     prompt_tokens: tuple[np.ndarray, ...] = field(default=())
     priorities: np.ndarray | None = field(default=None)
+    clients: np.ndarray | None = field(default=None)
 
     def __post_init__(self):
         outputs = _whole_numbers("output_lengths", self.output_lengths, minimum=1)
@@ -100,6 +103,8 @@ class Trace:
             "ids": _whole_numbers("ids", self.ids, minimum=0),
             "priorities": (np.zeros(len(outputs), np.int64) if self.priorities is None
                            else _whole_numbers("priorities", self.priorities, minimum=None)),
+            "clients": (np.zeros(len(outputs), np.int64) if self.clients is None
+                        else _whole_numbers("clients", self.clients, minimum=0)),
         }
         for name, column in columns.items():
             if len(column) != len(outputs):
@@ -248,6 +253,10 @@ class Trace:
         """The same requests with these priorities, one whole number each (lower is served first)."""
         return replace(self, priorities=priorities)
 
+    def with_clients(self, clients) -> Trace:
+        """The same requests, each sent by the client these whole numbers name."""
+        return replace(self, clients=clients)
+
     def capped(self, max_output: int) -> Trace:
         """The same requests, each output cut to at most `max_output` tokens."""
         whole_number("max_output", max_output)
@@ -280,6 +289,7 @@ class Trace:
             tuple(self.labels[p] for p in positions),
             tuple(self.prompt_tokens[p] for p in positions) if self.prompt_tokens else (),
             self.priorities[positions],
+            self.clients[positions],
         )
 
 

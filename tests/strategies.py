@@ -24,8 +24,8 @@ def traces(draw, spread=True):
 
 
 @st.composite
-def prompted_traces(draw, with_priorities=False):
-    """Up to 12 requests with prompts and spread arrivals, and priorities 0..2 if asked."""
+def prompted_traces(draw, with_priorities=False, with_clients=False):
+    """Up to 12 requests with prompts and spread arrivals, and priorities 0..2 and clients 0..2 if asked."""
     num_requests = draw(st.integers(1, 12))
     lengths = draw(st.lists(st.integers(1, 12), min_size=num_requests, max_size=num_requests))
     prompts = draw(st.lists(st.integers(0, 12), min_size=num_requests, max_size=num_requests))
@@ -33,6 +33,8 @@ def prompted_traces(draw, with_priorities=False):
     trace = lk.Trace.from_lengths(lengths, prompt_lengths=prompts, arrivals=np.cumsum(gaps))
     if with_priorities:
         trace = trace.with_priorities(draw(st.lists(st.integers(0, 2), min_size=num_requests, max_size=num_requests)))
+    if with_clients:
+        trace = trace.with_clients(draw(st.lists(st.integers(0, 2), min_size=num_requests, max_size=num_requests)))
     return trace
 
 
@@ -84,7 +86,7 @@ def static_knobs(draw, kinds=(lk.Static, lk.Dynamic), num_blocks=st.one_of(st.no
     )
 
 
-KINDS = (lk.Static, lk.Dynamic, lk.Continuous, lk.Priority, lk.ShortestPredictedFirst)  # every policy labkit ships
+KINDS = (lk.Static, lk.Dynamic, lk.Continuous, lk.Priority, lk.ShortestPredictedFirst, lk.Fair)  # every policy labkit ships
 
 
 def policies_of(kind, num_blocks=st.one_of(st.none(), st.integers(8, 40))):

@@ -24,6 +24,7 @@ EVERY_POLICY = [
     lambda n: lk.Dynamic(n, timeout=0.3),
     lk.Priority,
     lambda n: lk.ShortestPredictedFirst(n, noise=1.0),
+    lk.Fair,
 ]
 
 
@@ -61,8 +62,8 @@ def test_fast_forward_equals_the_plain_loop_for_every_policy(trace, num_slots, m
 
 
 @settings(max_examples=150, deadline=None)
-@given(trace=prompted_traces(with_priorities=True), timing=st.sampled_from(TIMINGS),
-       policy=knobs(kinds=(lk.Continuous, lk.Priority, lk.ShortestPredictedFirst)))
+@given(trace=prompted_traces(with_priorities=True, with_clients=True), timing=st.sampled_from(TIMINGS),
+       policy=knobs(kinds=(lk.Continuous, lk.Priority, lk.ShortestPredictedFirst, lk.Fair)))
 def test_with_every_knob_the_fast_forward_equals_the_plain_loop(trace, policy, timing):
     try:
         jumped, stepped = both_ways(trace, policy, **timing)

@@ -7,7 +7,8 @@ does: requests arrive at any moment (`SchedulerState.add`), clients leave
 row: the EOS for a request that is to end there), its record logged; when nothing runs, the clock moves to
 the time the policy wakes at, as `drive` moves it. A run ends with `release_finished()`.
 The policy is drawn with its knobs (tests/strategies.py): Static (finished rows padded or
-dropped) and Dynamic, Continuous, Priority and ShortestPredictedFirst, each with or without
+dropped) and Dynamic, Continuous, Priority, ShortestPredictedFirst and Fair (its clients the
+requests' priorities), each with or without
 a KV pool (the policy's, or one an engine sizes for every slot), a token budget, chunked
 prefill, whole-length reservation, an execution shape and `min_shape_fill`.
 
@@ -25,8 +26,8 @@ After every rule it checks what labkit/sched/state.py, scheduler.py and policy.p
   in a slot: exactly those its cached tokens fill (and, during a step, those its tokens
   are written to), or its whole length when the policy `reserves_whole_length`;
 - the queue is first come, first served, a preempted request going back to its head, or
-  sorted by the policy's `queue_order`; decisions admit from its head into the lowest free
-  slots; a decision that only releases or preempts is made again at once;
+  sorted by the policy's `queue_order`; decisions admit from its head (under Fair, from the
+  head of each client's part of it) into the lowest free slots; a decision that only releases or preempts is made again at once;
 - a step keeps to the token budget, schedules slot holders that have not finished, pads
   finished rows only for a policy that pads them, and a pure decode step to its shape;
   Static holds a finished request's slot until its batch ends, Continuous releases it at once;
@@ -115,7 +116,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         for prompt_len, output_len, priority in arrivals[: CAPACITY - len(self.added)]:
             index = len(self.added)
             request = Request(index, ID_OFFSET + index, self.state.now, prompt_len, output_len, priority=priority,
-                              token_ids=[0] * (1 + prompt_len), eos_token_ids=(EOS,))
+                              token_ids=[0] * (1 + prompt_len), eos_token_ids=(EOS,), client=priority)
             try:
                 self.policy.check_fits(request)
             except ValueError:
@@ -224,10 +225,17 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.num_preempted += len(decision.preempt)
         self._sort_queue()
         admitted = list(decision.admit)
-        assert admitted == self.queue[: len(admitted)], f"{decision} does not admit the head of {self.queue}"
+        if getattr(self.policy, "counts_service", False):  # Fair: first come within each client
+            for client in {self.added[request_id].client for request_id in admitted}:
+                theirs = [i for i in self.queue if self.added[i].client == client]
+                chosen = [i for i in admitted if self.added[i].client == client]
+                assert chosen == theirs[: len(chosen)], f"{decision} does not admit client {client}'s head"
+        else:
+            assert admitted == self.queue[: len(admitted)], f"{decision} does not admit the head of {self.queue}"
         if isinstance(self.policy, lk.Static) and admitted:
             assert slots.count(None) == len(slots), f"{decision} admits while a static batch runs"
-        del self.queue[: len(admitted)]
+        for request_id in admitted:
+            self.queue.remove(request_id)
         for request_id in admitted:
             slots[slots.index(None)] = request_id
 

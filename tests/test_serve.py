@@ -412,7 +412,7 @@ def test_policy_from_builds_the_policy_with_its_knobs(argv, expected):
     (["--policy", "priority", "--predictor-seed", "3"], "--noise and --predictor-seed apply to --policy spf, not priority"),
     (["--policy", "continuous", "--noise", "0"], "--noise and --predictor-seed apply to --policy spf, not continuous"),
     (["--policy", "dynamic", "--budget", "8"],
-     "--budget and --chunked-prefill apply to --policy continuous, priority, spf, not dynamic"),
+     "--budget and --chunked-prefill apply to --policy continuous, priority, spf, fair, not dynamic"),
 ])
 def test_policy_from_refuses_the_knobs_of_another_policy(argv, message):
     from labkit.serve.server import policy_from
@@ -463,10 +463,11 @@ class StepGate:
 ONE_SLOT_PROMPTS, ONE_SLOT_LENGTHS, ONE_SLOT_PRIORITIES = [[5, 6], [9], [30, 31]], [24, 4, 4], [0, 5, 1]
 
 
-def serve_in_one_slot(policy: str) -> tuple[list[int], list[list[int]], list[list[int]]]:
+def serve_in_one_slot(policy: str, users=(None, None, None)) -> tuple[list[int], list[list[int]], list[list[int]]]:
     """Request 0 (priority 0, 24 tokens) holds the only slot; while it runs, request 1 (priority 5)
-    is sent, then request 2 (priority 1). Returns the ids in the order they first ran, the tokens
-    each received, and Engine.run's tokens for the same prompts."""
+    is sent, then request 2 (priority 1), each with its `user` field if one is given. Returns the
+    ids in the order they first ran, the tokens each received, and Engine.run's tokens for the
+    same prompts."""
     from labkit.serve.server import policy_from
 
     server = Served(policy_from(serve_args("--policy", policy, "--slots", "1")))
@@ -474,9 +475,9 @@ def serve_in_one_slot(policy: str) -> tuple[list[int], list[list[int]], list[lis
     try:
         with httpx.Client(timeout=30) as client, contextlib.ExitStack() as streams:
             answers = []
-            for prompt, length, priority in zip(ONE_SLOT_PROMPTS, ONE_SLOT_LENGTHS, ONE_SLOT_PRIORITIES):
+            for prompt, length, priority, user in zip(ONE_SLOT_PROMPTS, ONE_SLOT_LENGTHS, ONE_SLOT_PRIORITIES, users):
                 payload = {"model": MODEL, "prompt": with_bos(prompt), "max_tokens": length, "priority": priority,
-                           "stream": True}
+                           "stream": True, **({"user": user} if user else {})}
                 # entered once the server has queued the request: they are sent one after the other
                 answers.append(streams.enter_context(client.stream("POST", f"{server.url}/v1/completions", json=payload)))
                 assert gate.held.wait(timeout=20)  # request 0 is in the slot, its first step held
@@ -507,6 +508,39 @@ def test_first_come_first_served_ignores_the_priority_field():
     order, received, expected = serve_in_one_slot("continuous")
     assert order == [0, 1, 2]
     assert received == expected
+
+
+def test_under_policy_fair_a_second_client_goes_before_the_first_ones_second_request():
+    """Requests 0 and 1 come from user "flood", request 2 from user "polite". Request 2 arrives while
+    only request 1 waits, so its counter starts at flood's then, 0 (request 0's first step is still
+    held); once request 0 has run (3 prompt tokens and 24 outputs: 51), polite's 0 is the least."""
+    order, received, expected = serve_in_one_slot("fair", users=("flood", "flood", "polite"))
+    assert order == [0, 2, 1]
+    assert received == expected
+
+
+def test_under_policy_fair_one_client_is_served_first_come_first_served():
+    """Without a user field every request is its address's, one client: the order is continuous's."""
+    order, received, expected = serve_in_one_slot("fair")
+    assert order == [0, 1, 2]
+    assert received == expected
+
+
+def test_a_replay_names_each_requests_client_when_the_trace_has_several(served, monkeypatch):
+    submitted = {}  # max_tokens -> client, as the server's engine received them
+    submit = served.online.submit
+
+    def recording(prompt_ids, max_tokens, priority=0, client="", **eos_rule):
+        submitted[max_tokens] = client
+        return submit(prompt_ids, max_tokens, priority, client=client, **eos_rule)
+
+    monkeypatch.setattr(served.online, "submit", recording)
+    trace = lk.Trace.from_lengths([3, 2, 4], prompt_lengths=[2, 3, 1])
+    for clients, expected in (([0, 1, 0], {3: "user client 0", 2: "user client 1", 4: "user client 0"}),
+                              (None, {3: "address 127.0.0.1", 2: "address 127.0.0.1", 4: "address 127.0.0.1"})):
+        log = lk.replay(trace.with_clients(clients), url=served.url, model=MODEL, vocab_size=TINY.vocab_size,
+                        progress=False)
+        assert not log.failures and submitted == expected  # one client (the control): no user field
 
 
 def test_a_replay_sends_each_request_its_trace_priority(served, monkeypatch):

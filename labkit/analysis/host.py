@@ -30,7 +30,7 @@ def decoding_state(num_running: int, num_waiting: int, num_blocks: int | None, b
     requests = [Request(i, i, 0.0, PROMPT_LEN, OUTPUT_LEN) for i in range(num_running + num_waiting)]
     blocks = BlockPool(num_blocks, block_size) if num_blocks is not None else None
     state = SchedulerState(num_running, requests, blocks)
-    state.waiting.extend(requests)
+    state.arrive(requests)
     state.apply(Decision(admit=tuple(range(num_running))))
     prefill = state.batch(Decision())
     state.allocate(prefill)

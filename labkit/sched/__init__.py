@@ -5,7 +5,7 @@ which imports sched and is never imported by it."""
 from labkit.sched.blocks import BlockPool
 from labkit.sched.cost import StepPrice
 from labkit.sched.driver import drive
-from labkit.sched.ordered import Priority, ShortestPredictedFirst
+from labkit.sched.ordered import Fair, Priority, ShortestPredictedFirst
 from labkit.sched.policy import Continuous, Dynamic, Static
 from labkit.sched.scheduler import Scheduler
 from labkit.sched.shape import ExecutionShape, vllm_capture_sizes
@@ -20,6 +20,7 @@ __all__ = [
     "Decision",
     "Dynamic",
     "ExecutionShape",
+    "Fair",
     "Priority",
     "Request",
     "Scheduler",

@@ -100,7 +100,7 @@ def next_batch(scheduler: Scheduler, pending: Pending) -> Batch:
     """Take in the arrivals and schedule the next step; when nobody runs, move the clock to
     the next arrival or the time the policy wakes at."""
     state = scheduler.state
-    state.waiting.extend(pending.arrived_by(state.now))
+    state.arrive(pending.arrived_by(state.now))
     batch = scheduler.schedule()
     if not batch.size:
         state.now = idle_until(scheduler, pending)
@@ -110,9 +110,9 @@ def next_batch(scheduler: Scheduler, pending: Pending) -> Batch:
 def _requests(trace: Trace, prompts: list[list[int]] | None) -> list[Request]:
     return [
         Request(index, int(rid), float(arrival), int(prompt), int(output), priority=int(priority),
-                token_ids=prompts[index] if prompts else None)
-        for index, (rid, arrival, prompt, output, priority) in enumerate(
-            zip(trace.ids, trace.arrivals, trace.prompt_lengths, trace.output_lengths, trace.priorities)
+                token_ids=prompts[index] if prompts else None, client=int(client))
+        for index, (rid, arrival, prompt, output, priority, client) in enumerate(
+            zip(trace.ids, trace.arrivals, trace.prompt_lengths, trace.output_lengths, trace.priorities, trace.clients)
         )
     ]
 

@@ -10,7 +10,8 @@ of identical steps. It relies on three facts the plain core states, and on nothi
   run of plain decode steps, in which nobody finishes, arrives or runs out of blocks,
   holds for all of them. An arrival is no event while the head of the queue waits for
   a slot, blocks or budget under a policy that `admits_in_order`; under any other
-  policy (a sorted queue, or one that does not say) every arrival is one;
+  policy (a sorted queue, or one that does not say) every arrival is one; under a policy
+  that `counts_service`, every step is one while anyone waits;
 - in a decode step each scheduled request processes its one uncomputed token and emits
   the next (`labkit.sched.state`): after n of them its `num_generated` is n further on,
   its `num_uncomputed` is still 1, and every other known token is computed;
@@ -92,8 +93,8 @@ def plan_run(scheduler: Scheduler, batch: Batch, first: StepRecord, pending: Pen
     until a request finishes, the free blocks stop covering the growth, one arrives (if that
     matters), or the policy wakes. Also who grows block by block, if anyone."""
     state, decision = scheduler.state, scheduler.decision
-    if not repeats(decision, batch, first):
-        return 1, None
+    if not repeats(decision, batch, first) or (state.counts_service and state.waiting):
+        return 1, None  # (a policy that reads the counters may admit another client's request at any step)
     count = min([request.output_len - request.num_generated for request, _ in batch.rows])
     arrivals_matter = not (getattr(scheduler.policy, "admits_in_order", False) and decision.blocked in HEAD_BLOCKED)
     moments = [m for m in (pending.next_arrival() if arrivals_matter else None, decision.wake_at) if m is not None]
@@ -157,7 +158,9 @@ def run_steps(state: SchedulerState, batch: Batch, record: StepRecord, num_steps
     if num_steps == 1:
         record.finished = state.complete(batch)
         return
-    for request, _ in batch.rows:
+    for request, num_tokens in batch.rows:
+        if state.counts_service:
+            state.serve(request, num_tokens, num_outputs=num_steps)
         request.num_generated += num_steps
         request.num_computed, request.num_uncomputed = request.num_prompt_tokens + request.num_generated - 1, 1
         if request.num_generated == request.output_len:

@@ -1,5 +1,5 @@
-"""Two policies that admit out of arrival order: `Continuous`, with the waiting queue sorted
-another way.
+"""Three policies that admit out of arrival order: `Continuous`, with the waiting queue sorted
+another way, or read another way.
 
 - `Priority` serves lower `priority` values first, as vLLM's priority scheduling does.
   By default the first waiting request it cannot admit pushes lower-priority running
@@ -9,14 +9,22 @@ another way.
   in vLLM's V1 scheduler (`Scheduler.schedule` in `vllm/v1/core/sched/scheduler.py`).
 - `ShortestPredictedFirst` admits the shortest predicted output first. A perfect
   predictor knows each output length; a noisy one is off by a factor e^(noise * z).
+- `Fair` shares the engine between clients: it admits next from the client that has been
+  served the fewest weighted tokens, its virtual token counter (Sheng et al., "Fairness in
+  Serving Large Language Models", OSDI 2024; the state keeps the counters,
+  `SchedulerState.counts_service`). With one client it is `Continuous`, step for step.
 
 Invariants:
 
 - each request's place in the queue is fixed from its arrival (its priority, or its
   prediction, drawn once from the policy's seed and the request id), so a decision still
   depends only on the state, as `labkit.sched.policy` requires;
-- neither `admits_in_order`: an arrival may go straight to the head of the queue, so for
+- none `admits_in_order`: an arrival may go straight to the head of the queue, so for
   the fast-forward every arrival is an event;
+- `Fair` keeps the queue first come, first served and tries the waiting requests in the
+  order of their clients' counters, least first, first come among equals; each one it
+  admits adds its prompt tokens to its client's counter for the rest of the decision, as
+  the step will;
 - `Priority` (unless `preempt_for_waiting=False`) preempts for the first waiting request
   it cannot admit, and only when that gives it a slot and its blocks beside those admitted
   before it, and never a request of its priority or higher. During a run of decode steps that request stays first, the
@@ -33,7 +41,7 @@ import numpy as np
 
 from labkit.checks import flag, number, whole_number
 from labkit.sched.policy import NO_BLOCKS, NO_SLOT, Continuous, StepPlan
-from labkit.sched.state import Decision, Request, SchedulerState
+from labkit.sched.state import PROMPT_WEIGHT, Decision, Request, SchedulerState
 from labkit.traffic import Trace
 
 
@@ -117,3 +125,27 @@ class ShortestPredictedFirst(Continuous):
 
     def queue_order(self, request: Request) -> float:
         return self.predicted_output_len(request)
+
+
+@dataclass(frozen=True, repr=False)
+class Fair(Continuous):
+    """Continuous batching that shares the engine between clients (a request's `client`):
+    waiting requests are tried for admission from the client whose virtual token counter is
+    least, first come within a client and among equals, while slots, blocks and budget
+    last. A client's counter grows by the work its requests get (`SchedulerState.serve`),
+    so a client that sends many requests at once waits its turn behind one that sends few,
+    and a lone client is served exactly as by `Continuous`."""
+
+    counts_service = True
+    admits_in_order = False
+
+    def candidates(self, plan: StepPlan):
+        """The waiting requests, least-served client first, each admission charged its prompt."""
+        counters = dict(plan.state.service)
+        untried = list(plan.state.waiting)
+        while untried:
+            request = min(untried, key=lambda r: counters.get(r.client, 0.0))  # the first least: first come
+            yield request
+            untried.remove(request)
+            if request.id in plan.num_tokens:  # admitted: the step will process its tokens
+                counters[request.client] = counters.get(request.client, 0.0) + PROMPT_WEIGHT * plan.num_tokens[request.id]

@@ -101,7 +101,7 @@ def _launch(scheduler: Scheduler, pending: Pending, backend: OverlappedBackend) 
     placeholders for its tokens: who emits and who finishes is known before it lands. None if
     nobody can run now."""
     state = scheduler.state
-    state.waiting.extend(pending.arrived_by(state.now))
+    state.arrive(pending.arrived_by(state.now))
     batch = scheduler.schedule()
     if not batch.size:
         return None

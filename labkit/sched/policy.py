@@ -28,10 +28,12 @@ Knobs, and the vLLM setting each one plays:
   size only if it fills at least this share of it (0, the default, always grows, as vLLM does).
 
 Invariant every policy keeps: its decision depends only on who waits, who holds which
-slot, how far each request has got, the free blocks, and the clock compared with the
-`wake_at` time it asked for. So a decision made before a run of plain decode steps,
-in which nobody finishes, arrives or runs out of blocks, holds for all of them, and a
-back end may run it for many steps at once (`labkit.sched.fastforward`).
+slot, how far each request has got, the free blocks, the clock compared with the
+`wake_at` time it asked for, and, for a policy that `counts_service` (`labkit.Fair`), the
+clients' counters. So a decision made before a run of plain decode steps, in which nobody
+finishes, arrives or runs out of blocks, holds for all of them (the counters move at every
+step, so while anyone waits under such a policy a run is one step), and a back end may run
+it for many steps at once (`labkit.sched.fastforward`).
 
 The waiting queue is first come, first served; a policy with a `queue_order` has the
 state keep it sorted by that instead (`labkit.sched.ordered`). A policy that
@@ -219,7 +221,7 @@ class Continuous(_Policy):
         """Admit waiting requests in queue order while slots, blocks and budget last; returns
         why the head waits ("" if nobody does)."""
         most = self.admissions_the_shape_allows(plan)
-        for request in plan.state.waiting:
+        for request in self.candidates(plan):
             if not plan.free_slots:
                 return NO_SLOT
             if len(plan.admitted) == most:
@@ -232,6 +234,10 @@ class Continuous(_Policy):
                 return NO_BLOCKS
             plan.admit(request, num_tokens, num_new_blocks)
         return ""
+
+    def candidates(self, plan: StepPlan):
+        """The waiting requests in the order admission tries them: the queue's."""
+        return plan.state.waiting
 
     def admissions_the_shape_allows(self, plan: StepPlan) -> float:
         """How many waiting requests may join before the decode batch would grow into a

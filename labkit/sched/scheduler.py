@@ -60,7 +60,7 @@ class Scheduler:
                  forgets_released: bool = False):
         self.policy = policy
         self.state = SchedulerState(policy.num_slots, list(requests), blocks, getattr(policy, "queue_order", None),
-                                    forgets_released)
+                                    forgets_released, getattr(policy, "counts_service", False))
         self.decisions: list[Decision] = [Decision()]  # those the latest `schedule` applied, in order
         self.admitted: list[int] = []  # trace indices of the requests admitted since the last record
         self.preempted: list[Preempted] = []  # and of those preempted, before their caches were dropped

@@ -50,6 +50,9 @@ from labkit.sched.blocks import BlockPool
 from labkit.sched.shape import ExecutionShape
 
 
+PROMPT_WEIGHT, OUTPUT_WEIGHT = 1.0, 2.0  # a virtual token counter's weights: Sheng et al.'s, an output twice a prompt token
+
+
 @dataclass(frozen=True)
 class Decision:
     """What happens before the next step.
@@ -77,6 +80,7 @@ class Request:
 
     index: its position in the trace (an online server's: in the order requests came);
     id: its request id. priority: lower is served first by policies that read it (as vLLM's).
+    client: who sent it, a whole number (0 when there is one client), which `labkit.Fair` reads.
     token_ids: the sequence so far, its first tokens (a begin-of-sequence token and the prompt
     ids) then its outputs; empty when the back end samples none (the simulator).
     eos_token_ids, min_tokens: it ends early on sampling one of those ids after `min_tokens`
@@ -86,13 +90,13 @@ class Request:
     __slots__ = (
         "index", "id", "arrival", "prompt_len", "output_len", "priority", "num_prompt_tokens", "num_generated",
         "num_computed", "num_uncomputed", "num_preemptions", "admitted_order", "slot", "block_table",
-        "token_ids", "eos_token_ids", "min_tokens", "is_stopped",
+        "token_ids", "eos_token_ids", "min_tokens", "is_stopped", "client",
     )
 
     def __init__(self, index: int, id: int, arrival: float, prompt_len: int, output_len: int,
                  num_generated: int = 0, priority: int = 0, token_ids: list[int] | None = None,
-                 eos_token_ids: tuple[int, ...] = (), min_tokens: int = 0):
-        self.index, self.id, self.arrival = index, id, arrival
+                 eos_token_ids: tuple[int, ...] = (), min_tokens: int = 0, client: int = 0):
+        self.index, self.id, self.arrival, self.client = index, id, arrival, client
         self.prompt_len, self.output_len, self.priority = prompt_len, output_len, priority
         self.num_prompt_tokens = 1 + prompt_len  # a begin-of-sequence token, then the prompt
         self.num_generated = num_generated
@@ -255,11 +259,21 @@ class SchedulerState:
     come, first served.
     forgets_released: drop a request from `by_id` once a decision releases it (an online
     server's state, which would otherwise grow without end); a run of a trace keeps them all.
+    counts_service: keep each client's virtual token counter in `service` (a policy that
+    shares the engine between clients reads it, `labkit.Fair`): the Virtual Token Counter of
+    Sheng et al. ("Fairness in Serving Large Language Models", OSDI 2024). Each prompt token a
+    client's request processes (a chunk, a recompute) adds PROMPT_WEIGHT, each output it
+    emits OUTPUT_WEIGHT; a client that arrives with none of its requests waiting is lifted to
+    the least counter among the clients waiting (or, if nobody waits, to that of the client
+    admitted last), so that time away earns it no credit.
     """
 
     def __init__(self, num_slots: int, requests: list[Request], blocks: BlockPool | None = None,
-                 queue_order: Callable[[Request], object] | None = None, forgets_released: bool = False):
-        self.forgets_released = forgets_released
+                 queue_order: Callable[[Request], object] | None = None, forgets_released: bool = False,
+                 counts_service: bool = False):
+        self.forgets_released, self.counts_service = forgets_released, counts_service
+        self.service: dict[int, float] = {}  # client -> its virtual token counter (with counts_service)
+        self.last_admitted_client: int | None = None
         self.num_slots = num_slots
         self.blocks = blocks
         self.now = 0.0
@@ -333,11 +347,27 @@ class SchedulerState:
 
     def add(self, request: Request) -> None:
         """A request that arrives while the engine runs joins the queue (an online server's
-        arrivals; a run of a known trace adds its requests up front instead)."""
+        arrivals; a run of a known trace knows its requests up front, and they `arrive`)."""
         if request.id in self.by_id:
             raise ValueError(f"request {request.id} is already known")
         self.by_id[request.id] = request
-        self.waiting.append(request)
+        self.arrive([request])
+
+    def arrive(self, requests: list[Request]) -> None:
+        """Known requests join the queue, in this order (with counts_service, their clients lifted)."""
+        for request in requests:
+            if self.counts_service:
+                self._lift(request.client)
+            self.waiting.append(request)
+
+    def _lift(self, client: int) -> None:
+        """A client none of whose requests waits starts from the least counter among those that do."""
+        waiting = {request.client for request in self.waiting}
+        if client in waiting:
+            return
+        floor = (min(self.service.get(other, 0.0) for other in waiting) if waiting
+                 else self.service.get(self.last_admitted_client, 0.0))
+        self.service[client] = max(self.service.get(client, 0.0), floor)
 
     def abort(self, request_id: int) -> None:
         """Forget a request whose client went away: out of the queue, or out of its slot with its
@@ -378,6 +408,8 @@ class SchedulerState:
         self.num_steps += 1
         finished, sampled = [], iter(tokens or ())
         for request, num_tokens in batch.rows:
+            if self.counts_service:
+                self.serve(request, num_tokens, num_outputs=int(num_tokens == request.num_uncomputed))
             request.num_computed += num_tokens
             if num_tokens < request.num_uncomputed:  # a chunk: nothing to emit yet
                 request.num_uncomputed -= num_tokens
@@ -389,6 +421,13 @@ class SchedulerState:
             if request.is_finished:
                 finished.append(request.index)
         return finished
+
+    def serve(self, request: Request, num_tokens: int, num_outputs: int) -> None:
+        """Add to its client's counter a step's work for `request`, about to count it done: the
+        `num_tokens` it processes, prompt tokens unless it decodes, and the outputs it emits."""
+        prompt_tokens = 0 if request.is_decoding else num_tokens
+        self.service[request.client] = (self.service.get(request.client, 0.0) + PROMPT_WEIGHT * prompt_tokens
+                                        + OUTPUT_WEIGHT * num_outputs)
 
     def _lookup(self, request_id: int, verb: str) -> Request:
         if request_id not in self.by_id:
@@ -417,4 +456,5 @@ class SchedulerState:
         self.waiting.remove(request)
         request.admitted_order = self.num_admitted
         self.num_admitted += 1
+        self.last_admitted_client = request.client
         self.place(request, self.slots.index(None))

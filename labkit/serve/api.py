@@ -25,8 +25,10 @@ number, ignored (greedy decoding is deterministic). The engine decodes greedily,
 sampling field in `GREEDY_ONLY` is refused unless absent, null, or at the value that means
 greedy: temperature 0, top_p 1, top_k -1 or 0, min_p 0, n 1, best_of 1, logprobs and
 prompt_logprobs null, echo false, stop and stop_token_ids [], suffix null, logit_bias {},
-presence_penalty and frequency_penalty 0, repetition_penalty 1. Other fields that OpenAI
-clients send (`user`, ...) are accepted and ignored.
+presence_penalty and frequency_penalty 0, repetition_penalty 1. `user` (OpenAI's end user,
+a string) names the request's client, else the address it came from (`client_of`): a
+policy that shares the engine between clients (`labkit.Fair`) reads it. Other fields that
+OpenAI clients send are accepted and ignored.
 
 Invariants: every error is an OpenAI-style body (`labkit.serve.guards.error`: `object:
 "error"`, `message`, `type`, `param`, `code`) whose message names the field and at most a
@@ -101,6 +103,7 @@ class CompletionRequest(BaseModel):
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     priority: int = 0  # a JSON integer: neither 1.5, "1" nor true
+    user: str | None = None  # OpenAI's end user: the client `labkit.Fair` shares the engine between
     seed: int | None = None  # accepted and ignored: greedy decoding is deterministic
 
     @field_validator("prompt", mode="before")
@@ -153,6 +156,14 @@ def unparsable(cause: BaseException) -> str:
     if isinstance(cause, RecursionError):
         return "the body is not valid JSON: it is nested too deeply"
     return f"the body is not valid JSON ({type(cause).__name__})"
+
+
+def client_of(body: CompletionRequest, request: Request) -> str:
+    """Who sent the request, as a policy that shares the engine between clients counts them:
+    its `user` field (OpenAI's end user), else the address it came from."""
+    if body.user:
+        return f"user {body.user}"
+    return f"address {request.client.host if request.client else 'unknown'}"
 
 
 async def client_leaves(request: Request) -> None:
@@ -227,7 +238,7 @@ def make_app(online: OnlineEngine, model_name: str, tokenizer=byte_tokenizer, li
             return error(f"min_tokens = {body.min_tokens} exceeds max_tokens = {body.max_tokens}", param="min_tokens")
         try:
             request_id, stream = online.submit(prompt, body.max_tokens, body.priority, ignore_eos=body.ignore_eos,
-                                               min_tokens=body.min_tokens)
+                                               min_tokens=body.min_tokens, client=client_of(body, request))
         except Unavailable as problem:
             return error(str(problem), 503)
         except ValueError as problem:

@@ -71,6 +71,7 @@ from labkit.sched.state import Batch
 from labkit.serve.prometheus import ServerMetrics
 
 IDLE_WAIT_SECONDS = 1.0  # the longest the loop sleeps when nothing can run, before it looks again
+MAX_CLIENTS = 10_000  # clients told apart; past them, new names share one number (memory stays bounded)
 STOP_TIMEOUT_S = 10.0  # how long a stopping engine process may take to finish its step, before it is killed
 
 
@@ -372,6 +373,7 @@ class OnlineEngine:
         self.step_sizes: list[int] = []  # requests scheduled in each step, for the record
         self.last_report: LoopReport | None = None
         self._streams: dict[int, Stream] = {}  # request id -> its stream, while it is in flight
+        self._client_numbers: dict[str, int] = {}  # a client's name -> the number its requests carry
         self._lock = threading.Lock()
         self._closed = False
         self._stopping = False
@@ -383,10 +385,11 @@ class OnlineEngine:
         return time.perf_counter() - self.start
 
     def submit(self, prompt_ids: list[int], max_tokens: int, priority: int = 0, ignore_eos: bool = False,
-               min_tokens: int = 0) -> tuple[int, Stream]:
+               min_tokens: int = 0, client: str = "") -> tuple[int, Stream]:
         """Queue a request whose sequence starts as `prompt_ids`, used as given (no
         begin-of-sequence token is added, as in vLLM), with this priority (lower is served first
-        by a policy that reads it); it may stop at an EOS after `min_tokens` outputs unless
+        by a policy that reads it), from this client (a policy that shares the engine between
+        clients reads it); it may stop at an EOS after `min_tokens` outputs unless
         `ignore_eos`. Returns its id and the stream its outputs come on.
         A ValueError names what is wrong with it; `Unavailable` says why none can be taken now."""
         self._check(prompt_ids, max_tokens, priority)
@@ -398,7 +401,7 @@ class OnlineEngine:
             # the part a request's begin-of-sequence token plays in the scheduler's counts
             request = Request(request_id, request_id, self.now(), len(prompt_ids) - 1, max_tokens, priority=priority,
                               token_ids=prompt_ids, eos_token_ids=() if ignore_eos else self.eos_token_ids,
-                              min_tokens=min_tokens)
+                              min_tokens=min_tokens, client=self._client_number(client))
             self.policy.check_fits(request)
             self._next_id += 1
             stream = self._streams[request_id] = Stream(request.arrival)
@@ -406,6 +409,13 @@ class OnlineEngine:
         if self.metrics:
             self.metrics.prompt_tokens.inc(request.num_prompt_tokens)  # the ids as given
         return request_id, stream
+
+    def _client_number(self, client: str) -> int:
+        """The number the state knows `client` by: one each, in the order they first came; past
+        MAX_CLIENTS names, the rest share one."""
+        if client not in self._client_numbers and len(self._client_numbers) < MAX_CLIENTS:
+            self._client_numbers[client] = len(self._client_numbers)
+        return self._client_numbers.get(client, MAX_CLIENTS)
 
     def abort(self, request_id: int) -> None:
         """End a request whose client went away: its stream ends with "abort", and it leaves the

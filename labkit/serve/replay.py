@@ -51,6 +51,8 @@ Invariants:
   model sets no temperature samples at 1.0 by default (vLLM does), and its tokens would then
   match no other run's;
 - a request whose trace priority is not 0 is sent with it (vLLM's `priority` field);
+- in a trace of several clients, each request is sent with its client as OpenAI's `user`
+  field ("client 0", "client 1", ...), which `labkit serve --policy fair` shares the engine by;
 - at most `max_concurrency` requests are in flight; once one cannot connect, the server is
   unreachable and every request not yet sent fails at once instead of waiting for its arrival;
 - a server without /metrics (HTTP 404), or without vLLM's gauges there, leaves `log.server`
@@ -417,6 +419,7 @@ class _Replay:
         self.bos = [] if bos_token_id is None else [bos_token_id]  # sent before every token-id prompt
         self.max_concurrency, self.timeout, self.scrape_interval = max_concurrency, timeout, scrape_interval
         self.headers = headers  # sent with every request: the API key, if any
+        self.several_clients = len(np.unique(trace.clients)) > 1  # then each request names its client
         self.sent_at = np.full(len(trace), np.nan)
         self.tokens_at: list[list[float]] = [[] for _ in range(len(trace))]
         self.token_ids: list[list[int]] = [[] for _ in range(len(trace))]
@@ -510,7 +513,8 @@ class _Replay:
         length, priority = int(self.trace.output_lengths[i]), int(self.trace.priorities[i])
         body = {"model": self.model, "prompt": self._prompt(i, fallbacks), "max_tokens": length, "temperature": 0,
                 "stream": True,
-                "stream_options": {"include_usage": True}}
+                "stream_options": {"include_usage": True},
+                **({"user": f"client {self.trace.clients[i]}"} if self.several_clients else {})}
         extensions = {"min_tokens": length, "ignore_eos": True, "return_token_ids": True,
                       **({"priority": priority} if priority else {})}
         return {**body, **{field: value for field, value in extensions.items() if without(field) not in fallbacks}}

@@ -34,12 +34,14 @@ import labkit as lk
 from labkit.args import number, whole_number
 from labkit.serve.limits import Limits
 
-ITERATION_LEVEL = {"continuous": lk.Continuous, "priority": lk.Priority, "spf": lk.ShortestPredictedFirst}
+ITERATION_LEVEL = {"continuous": lk.Continuous, "priority": lk.Priority, "spf": lk.ShortestPredictedFirst,
+                   "fair": lk.Fair}
 POLICIES = (*ITERATION_LEVEL, "static", "dynamic")
 POLICIES_HELP = ("the scheduling policy (default continuous): continuous (first come, first served), priority "
                  "(the lowest value of a request's priority field first, preempting higher values), spf "
-                 "(shortest predicted output first), static (whole batches), dynamic (batches that wait up to "
-                 "--timeout to fill)")
+                 "(shortest predicted output first), fair (the client served the fewest weighted tokens first; a "
+                 "client is a request's user field, else its address), static (whole batches), dynamic (batches "
+                 "that wait up to --timeout to fill)")
 DEFAULT_MODEL_NAME = "tinygpt"
 
 
