@@ -182,3 +182,50 @@ def test_submit_refuses_a_priority_that_is_not_a_whole_number():
         with pytest.raises(ValueError, match=f"^priority = {re.escape(repr(bad))}: must be a whole number"):
             online.submit([5], 2, priority=bad)
     assert not online.core.state.by_id and not online.num_in_flight()  # nothing was queued
+
+
+def test_a_full_queue_sheds_the_newest_request_of_the_client_that_holds_the_most():
+    """One slot, three waiting at most. Client "flood" holds the slot and fills the queue; its
+    fourth request is refused (it holds the most). A "polite" request then takes the place of
+    flood's newest waiting one, whose stream ends with "shed"; a second polite request is
+    refused, since shedding would leave flood no more than polite (2 against 2)."""
+    online = started(lk.Continuous(num_slots=1), max_waiting=3)
+
+    async def flood_then_polite():
+        _, running = online.submit(PROMPTS[0], 40, client="flood")
+        first = await asyncio.wait_for(running.get(), 20)  # admitted: it holds the slot
+        flood = [online.submit(PROMPTS[1], 1, client="flood")[1] for _ in range(3)]  # the queue is full
+        with pytest.raises(Unavailable, match="^3 requests are waiting for a slot"):
+            online.submit(PROMPTS[1], 1, client="flood")
+        _, polite = online.submit(PROMPTS[4], 3, client="polite")
+        with pytest.raises(Unavailable, match="^3 requests are waiting for a slot"):
+            online.submit(PROMPTS[4], 3, client="polite")
+        ends = [await asyncio.wait_for(read_items(stream), 20) for stream in (running, *flood, polite)]
+        return [first, *ends[0]], ends[1:]
+
+    try:
+        running, (flood_1, flood_2, flood_3, polite) = asyncio.run(flood_then_polite())
+    finally:
+        online.stop()
+    assert running[:5] == REFERENCE[0] and len(running) == 41 and running[-1] == "length"  # greedy: its first 5 as ever
+    assert flood_3 == ["shed"] and flood_1[-1] == flood_2[-1] == "length"
+    assert polite == [*REFERENCE[4][:3], "length"]
+
+
+def test_one_client_may_hold_only_its_share_of_the_queue():
+    online = started(lk.Continuous(num_slots=1), max_waiting=10, max_waiting_per_client=2)
+
+    async def three_each():
+        _, running = online.submit(PROMPTS[0], 40, client="a")
+        await asyncio.wait_for(running.get(), 20)
+        streams = [online.submit(PROMPTS[1], 1, client="a")[1] for _ in range(2)]
+        with pytest.raises(Unavailable, match=re.escape("2 of your requests are waiting for a slot, the most this "
+                                                        "server queues for one client (max_waiting_per_client 2)")):
+            online.submit(PROMPTS[1], 1, client="a")
+        streams.append(online.submit(PROMPTS[1], 1, client="b")[1])  # the control: another client is taken
+        return [(await asyncio.wait_for(read_items(stream), 20))[-1] for stream in streams]
+
+    try:
+        assert asyncio.run(three_each()) == ["length"] * 3
+    finally:
+        online.stop()

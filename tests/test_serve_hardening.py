@@ -228,8 +228,24 @@ def test_a_request_beyond_max_waiting_gets_a_503_and_the_rest_are_served():
         server.stop()
     assert_error(refused, 503, "ServiceUnavailableError", "2 requests are waiting for a slot, the most this server "
                  "queues (max_waiting 2); try again later")
+    assert refused.headers["retry-after"] == "5"  # so a client that honours it backs off
     assert received == [length + 1 for length in lengths]  # a chunk per token, then the finish
     assert after.status_code == 200  # the queue drained: the next request is served
+
+
+def test_one_address_may_hold_only_its_share_of_the_connections():
+    server = Served(limits=Limits(max_connections_per_client=3, shutdown_grace=0.5))
+    host, port = server.url.removeprefix("http://").split(":")
+    try:
+        held = [socket.create_connection((host, int(port)), timeout=5) for _ in range(3)]
+        with socket.create_connection((host, int(port)), timeout=5) as fourth:
+            assert fourth.recv(1) == b""  # closed by the server as soon as it was accepted
+        held.pop().close()
+        assert wait_until(lambda: answers_health(server.url), 5)  # the control: a third connection is served
+    finally:
+        for connection in held:
+            connection.close()
+        server.stop()
 
 
 def exchange(url: str, data: bytes, seconds: float = 30.0) -> tuple[bytes, float]:
@@ -295,10 +311,10 @@ def test_a_repeated_log_message_is_let_through_once_a_minute_with_a_count():
 def test_the_limit_flags_make_the_limits():
     from labkit.serve.server import limits_from
 
-    args = serve_args("--api-key", "k", "--max-waiting", "3", "--max-body-bytes", "1000", "--max-connections", "9",
-                      "--read-timeout", "2.5")
-    assert limits_from(args) == Limits(api_key="k", max_waiting=3, max_body_bytes=1000, max_connections=9,
-                                       read_timeout=2.5)
+    args = serve_args("--api-key", "k", "--max-waiting", "3", "--max-waiting-per-client", "2", "--max-body-bytes",
+                      "1000", "--max-connections", "9", "--max-connections-per-client", "4", "--read-timeout", "2.5")
+    assert limits_from(args) == Limits(api_key="k", max_waiting=3, max_waiting_per_client=2, max_body_bytes=1000,
+                                       max_connections=9, max_connections_per_client=4, read_timeout=2.5)
     assert limits_from(serve_args()) == Limits()  # the control: no flag, the defaults
 
 

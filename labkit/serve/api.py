@@ -65,7 +65,8 @@ from labkit.serve.tokenizer import TextStream
 
 
 # Finish reasons of a request the engine could not finish, and what its client is told
-INTERRUPTED = {"abort": "the server is shutting down", "error": "the engine stopped after an error"}
+INTERRUPTED = {"abort": "the server is shutting down", "error": "the engine stopped after an error",
+               "shed": "the server's queue was full and your client held the most of it; try again later"}
 
 
 class StreamOptions(BaseModel):

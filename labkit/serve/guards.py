@@ -18,9 +18,11 @@ Invariants:
   previous response, or it is closed; an idle keep-alive connection closes after
   `KEEP_ALIVE_SECONDS` (uvicorn's `timeout_keep_alive`);
 - at most `max_connections` connections are open, fewer when the open-file limit is lower
-  (less `RESERVED_FILES` for the process's own files): one more is closed as soon as it is
+  (less `RESERVED_FILES` for the process's own files), and at most
+  `max_connections_per_client` from one address: one more is closed as soon as it is
   accepted. uvicorn's `limit_concurrency` is not used: it answers 503 only once a request's
   head has arrived, so sockets that never send one would still use up file descriptors;
+- every 503 carries `Retry-After` (RETRY_AFTER_S seconds);
 - a message the server logs again and again (a refused connection, an accept that failed
   for want of file descriptors, a malformed request, an application error) is logged once
   a minute at most, saying how many like it were dropped;
@@ -49,6 +51,7 @@ from labkit.serve.limits import Limits
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
                405: "MethodNotAllowedError", 408: "RequestTimeoutError", 413: "RequestTooLargeError",
                500: "InternalServerError", 503: "ServiceUnavailableError"}
+RETRY_AFTER_S = 5  # a 503's Retry-After: a fixed guess, since the server cannot know when a slot will free
 OPEN_PATHS = ("/health", "/metrics")  # reachable without the API key, as in vLLM
 SHOWN_CHARACTERS = 60  # the most of a client's input an error message repeats
 KEEP_ALIVE_SECONDS = 5.0  # uvicorn's default
@@ -76,6 +79,10 @@ def error_body(message: str, status: int = 400, kind: str | None = None, param: 
 
 def error(message: str, status: int = 400, kind: str | None = None, param: str | None = None,
           headers: dict[str, str] | None = None) -> JSONResponse:
+    """An OpenAI-style error; a 503 says when to try again (`Retry-After`), so clients that honour
+    it (the openai client does) back off instead of retrying at once."""
+    if status == 503:
+        headers = {"retry-after": str(RETRY_AFTER_S), **(headers or {})}
     return JSONResponse(error_body(message, status, kind, param), status_code=status, headers=headers)
 
 
@@ -203,10 +210,10 @@ def raise_open_file_limit() -> None:
             pass
 
 
-def guarded_protocol(max_open: int, read_timeout: float) -> type[H11Protocol]:
-    """uvicorn's h11 protocol, closing a connection that exceeds `max_open` as soon as it is made,
-    and one that has not sent a whole request head `read_timeout` seconds after it opened or
-    after its last response."""
+def guarded_protocol(max_open: int, read_timeout: float, max_per_address: int | None = None) -> type[H11Protocol]:
+    """uvicorn's h11 protocol, closing a connection that exceeds `max_open`, or `max_per_address`
+    from its address, as soon as it is made, and one that has not sent a whole request head
+    `read_timeout` seconds after it opened or after its last response."""
 
     class GuardedH11Protocol(H11Protocol):
         head_timer: asyncio.TimerHandle | None = None
@@ -216,8 +223,16 @@ def guarded_protocol(max_open: int, read_timeout: float) -> type[H11Protocol]:
             if len(self.connections) > max_open:
                 self.logger.warning("refused a connection: %d are open, the most this server keeps", max_open)
                 self.transport.close()
+            elif max_per_address is not None and self._num_from_address() > max_per_address:
+                self.logger.warning("refused a connection: %d are open from one address, the most this server "
+                                    "keeps", max_per_address)
+                self.transport.close()
             else:
                 self._await_head()
+
+        def _num_from_address(self) -> int:
+            host = self.client[0] if self.client else None
+            return sum(1 for other in self.connections if other.client and other.client[0] == host)
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
@@ -313,7 +328,8 @@ class GracefulServer(uvicorn.Server):
 
 def make_server(app, online, limits: Limits, host: str = "127.0.0.1", port: int = 8000) -> GracefulServer:
     """The uvicorn server for `app` (from `make_app`) and its `online` engine, under `limits`."""
-    protocol = guarded_protocol(max_open_connections(limits.max_connections), limits.read_timeout)
+    protocol = guarded_protocol(max_open_connections(limits.max_connections), limits.read_timeout,
+                                limits.max_connections_per_client)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", http=protocol,
                             timeout_keep_alive=KEEP_ALIVE_SECONDS, timeout_graceful_shutdown=FLUSH_SECONDS)
     return GracefulServer(config, online, limits.shutdown_grace)

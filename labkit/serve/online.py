@@ -50,6 +50,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import pickle
 import signal
@@ -66,7 +67,7 @@ from labkit.engine.device import torch_threads
 from labkit.engine.engine import Engine
 from labkit.sched import Decision, Request
 from labkit.sched.policy import check_policy
-from labkit.sched.scheduler import Scheduler, StepRecord, kv_pool
+from labkit.sched.scheduler import Scheduler, kv_pool
 from labkit.sched.state import Batch
 from labkit.serve.prometheus import ServerMetrics
 
@@ -82,12 +83,12 @@ class Unavailable(RuntimeError):
 class Stream:
     """A request's outputs on their way from the engine's loop to the event loop that made the
     stream: each token (an int) as its step ends, then, once, the reason it finished (a str:
-    "length", "stop", "abort" or "error"). The reader awaits `get`."""
+    "length", "stop", "abort", "shed" or "error"). The reader awaits `get`."""
 
-    def __init__(self, submitted_at: float):
+    def __init__(self, submitted_at: float, client: str = ""):
         self.loop = asyncio.get_running_loop()
         self.items: asyncio.Queue[int | str] = asyncio.Queue()
-        self.submitted_at = submitted_at
+        self.submitted_at, self.client = submitted_at, client
         self.last_sent_at: float | None = None
 
     async def get(self) -> int | str:
@@ -111,13 +112,13 @@ def _put_each(pairs: list[tuple[Stream, int | str]]) -> None:
 
 
 class LoopReport(NamedTuple):
-    """What the loop tells the callers' side: after every step, when its queue changed before a
-    step, when it has nothing to run, and once when it ends (or fails)."""
+    """What the loop tells the callers' side: after every step, after a decision that admitted
+    or preempted anyone, when it has nothing to run, and once when it ends (or fails)."""
 
     outputs: list[tuple[int, list[int], str]]  # (request id, its new output ids, its finish reason or "")
     num_scheduled: int  # requests that worked in the step (0: a report of no step)
-    num_preempted: int  # requests preempted before the step
-    num_taken: int  # requests the loop has taken in since it started
+    admitted: list[int]  # ids of the requests the latest decisions admitted (those reported once)
+    preempted: list[int]  # and of those they preempted, back in the queue
     num_in_slots: int  # requests holding a slot, finished ones waiting to leave included
     num_waiting: int
     num_blocks_used: int
@@ -137,9 +138,7 @@ class EngineLoop:
         self.scheduler = Scheduler(policy, blocks=self.blocks, forgets_released=True)
         self.state = self.scheduler.state
         self.report, self.start = report, start
-        self.num_taken = 0
         self._num_reported: dict[int, int] = {}  # request id -> its outputs reported, until it finishes
-        self._queue_reported = (0, 0)  # (requests taken, waiting) as the latest report said
         self._inbox: list[Request] = []
         self._aborts: list[int] = []
         self._wake = threading.Condition()
@@ -187,13 +186,13 @@ class EngineLoop:
                 while self._take_in():
                     self.state.now = self.now()
                     batch = self.scheduler.schedule()
+                    self._report_admissions()
                     if not batch.size:
                         self._idle(self.scheduler.decision)
                         continue
-                    self._report_queue()
                     tokens = self.runner.run(batch)
-                    record = self.scheduler.postprocess(batch, tokens)
-                    self._report_step(batch, record)
+                    self.scheduler.postprocess(batch, tokens)
+                    self._report_step(batch)
                 self._abort_everyone()
         except Exception as problem:
             self.report(self._report_of([], failure=problem))
@@ -207,13 +206,12 @@ class EngineLoop:
         for request in arrived:
             self.state.add(request)
             self._num_reported[request.id] = 0
-        self.num_taken += len(arrived)
         for request_id in aborted:
             if self._num_reported.pop(request_id, None) is not None:  # else it finished already
                 self.state.abort(request_id)
         return not stopping
 
-    def _report_step(self, batch: Batch, record: StepRecord) -> None:
+    def _report_step(self, batch: Batch) -> None:
         """Each scheduled request's new tokens, and its finish reason once it has finished."""
         outputs = []
         for request, _ in batch.rows:
@@ -225,20 +223,21 @@ class EngineLoop:
                 self._num_reported[request.id] = num_reported + len(new)
             if new or request.is_finished:
                 outputs.append((request.id, new, request.finish_reason))
-        self.report(self._report_of(outputs, batch.size, len(record.preempted)))
+        self.report(self._report_of(outputs, batch.size))
 
-    def _report_queue(self) -> None:
-        """Before a step: report the queue if it changed since the latest report (callers count
-        the requests waiting by it)."""
-        if (self.num_taken, len(self.state.waiting)) != self._queue_reported:
-            self.report(self._report_of([]))
+    def _report_admissions(self) -> None:
+        """After a decision: who it admitted and who it preempted, if anyone (callers count the
+        requests waiting, each client's, by them), before the step runs."""
+        admitted = [request_id for decision in self.scheduler.decisions for request_id in decision.admit]
+        preempted = [request_id for decision in self.scheduler.decisions for request_id in decision.preempt]
+        if admitted or preempted:
+            self.report(self._report_of([], admitted=admitted, preempted=preempted))
 
-    def _report_of(self, outputs: list, num_scheduled: int = 0, num_preempted: int = 0,
+    def _report_of(self, outputs: list, num_scheduled: int = 0, admitted: list[int] = (), preempted: list[int] = (),
                    failure: Exception | None = None) -> LoopReport:
-        num_waiting = len(self.state.waiting)
-        self._queue_reported = (self.num_taken, num_waiting)
-        return LoopReport(outputs, num_scheduled, num_preempted, self.num_taken, len(self.state.seated), num_waiting,
-                          self.blocks.num_blocks - self.blocks.num_free_blocks, self.blocks.num_blocks, failure)
+        return LoopReport(outputs, num_scheduled, list(admitted), list(preempted), len(self.state.seated),
+                          len(self.state.waiting), self.blocks.num_blocks - self.blocks.num_free_blocks,
+                          self.blocks.num_blocks, failure)
 
     def _idle(self, decision: Decision) -> None:
         """Nothing runs: report, then wait for a request, an abort, the policy's wake-up time or a stop."""
@@ -316,7 +315,7 @@ class EngineProcess:
         if not self._stopping:
             self._process.join(STOP_TIMEOUT_S)
             ended = RuntimeError(f"the engine's process ended (exit code {self._process.exitcode})")
-            self.report(LoopReport([], 0, 0, 0, 0, 0, 0, 0, failure=ended))
+            self.report(LoopReport([], 0, [], [], 0, 0, 0, 0, failure=ended))
 
 
 def serve_in_process(engine: Engine, policy, pipe, start: float) -> None:
@@ -362,17 +361,21 @@ class OnlineEngine:
     a thread of this process, or, with `own_process`, in a process of its own."""
 
     def __init__(self, engine: Engine, policy, metrics: ServerMetrics | None = None,
-                 eos_token_ids: tuple[int, ...] = (), max_waiting: int | None = None, own_process: bool = False):
+                 eos_token_ids: tuple[int, ...] = (), max_waiting: int | None = None, own_process: bool = False,
+                 max_waiting_per_client: int | None = None):
         """eos_token_ids: the model's end-of-sequence ids (a checkpoint's; TinyGPT has none);
-        max_waiting: the most requests that may wait for a slot (None: no limit)."""
+        max_waiting: the most requests that may wait for a slot (None: no limit), and
+        max_waiting_per_client the most of one client's (see `_make_room`)."""
         check_policy(policy)
         self.engine, self.policy, self.metrics, self.max_waiting = engine, policy, metrics, max_waiting
+        self.max_waiting_per_client = max_waiting_per_client
         self.eos_token_ids = tuple(eos_token_ids)
         self.start = time.perf_counter()
         self.core = (EngineProcess if own_process else EngineLoop)(engine, policy, self._take_report, self.start)
         self.step_sizes: list[int] = []  # requests scheduled in each step, for the record
         self.last_report: LoopReport | None = None
         self._streams: dict[int, Stream] = {}  # request id -> its stream, while it is in flight
+        self._waiting: dict[int, str] = {}  # request id -> its client, while it waits for a slot (as the loop said)
         self._client_numbers: dict[str, int] = {}  # a client's name -> the number its requests carry
         self._lock = threading.Lock()
         self._closed = False
@@ -396,6 +399,7 @@ class OnlineEngine:
         self._check_eos_rule(ignore_eos, min_tokens, max_tokens)
         with self._lock:
             self._check_available()
+            shed = self._make_room(client)
             request_id = self._next_id
             # the ids are the whole sequence so far, used as given (as vLLM does): the first plays
             # the part a request's begin-of-sequence token plays in the scheduler's counts
@@ -404,8 +408,11 @@ class OnlineEngine:
                               min_tokens=min_tokens, client=self._client_number(client))
             self.policy.check_fits(request)
             self._next_id += 1
-            stream = self._streams[request_id] = Stream(request.arrival)
+            stream = self._streams[request_id] = Stream(request.arrival, client)
+            self._waiting[request_id] = client
             self.core.add(request)  # under the lock: before any stop
+            if shed is not None:
+                self._end(shed, "shed")
         if self.metrics:
             self.metrics.prompt_tokens.inc(request.num_prompt_tokens)  # the ids as given
         return request_id, stream
@@ -421,11 +428,15 @@ class OnlineEngine:
         """End a request whose client went away: its stream ends with "abort", and it leaves the
         loop at the next decision point."""
         with self._lock:
-            stream = self._streams.pop(request_id, None)
-            if stream is None:  # finished already, or aborted twice
-                return
-            self.core.abort(request_id)
-        hand_over([(stream, "abort")])
+            if request_id in self._streams:  # else finished already, or aborted twice
+                self._end(request_id, "abort")
+
+    def _end(self, request_id: int, reason: str) -> None:
+        """Under `_lock`: end a request in flight with `reason` now; the loop drops it at its next decision."""
+        stream = self._streams.pop(request_id)
+        self._waiting.pop(request_id, None)
+        self.core.abort(request_id)
+        hand_over([(stream, reason)])
 
     def start_thread(self) -> None:
         """Start the loop (its thread, or its process)."""
@@ -457,16 +468,24 @@ class OnlineEngine:
             raise Unavailable(f"the engine stopped after an error ({type(self.failure).__name__}); restart the server")
         if self._closed or self._stopping:
             raise Unavailable("the server is shutting down")
-        num_waiting = self._num_waiting()
-        if self.max_waiting is not None and num_waiting >= self.max_waiting:
-            raise Unavailable(f"{num_waiting} requests are waiting for a slot, the most this server queues "
-                              f"(max_waiting {self.max_waiting}); try again later")
 
-    def _num_waiting(self) -> int:
-        """Requests waiting for a slot, as the loop's latest report counts them, and those sent since."""
-        report = self.last_report
-        num_taken, num_waiting = (report.num_taken, report.num_waiting) if report else (0, 0)
-        return self._next_id - num_taken + num_waiting
+    def _make_room(self, client: str) -> int | None:
+        """Under `_lock`: whether a request from `client` may wait, and for whom it makes room.
+        A client already holding `max_waiting_per_client` waiting requests is refused. When the
+        queue holds `max_waiting`, the client holding the most of it loses its newest waiting
+        request (returned: to be shed) if it holds more than `client` would with this one;
+        otherwise this one is refused (`Unavailable`). So a flood cannot lock the others out."""
+        held = collections.Counter(self._waiting.values())
+        if self.max_waiting_per_client is not None and held[client] >= self.max_waiting_per_client:
+            raise Unavailable(f"{held[client]} of your requests are waiting for a slot, the most this server queues "
+                              f"for one client (max_waiting_per_client {self.max_waiting_per_client}); try again later")
+        if self.max_waiting is None or len(self._waiting) < self.max_waiting:
+            return None
+        top, most = held.most_common(1)[0]
+        if most <= held[client] + 1:
+            raise Unavailable(f"{len(self._waiting)} requests are waiting for a slot, the most this server queues "
+                              f"(max_waiting {self.max_waiting}); try again later")
+        return max(request_id for request_id, holder in self._waiting.items() if holder == top)
 
     def _check(self, prompt_ids: list[int], max_tokens: int, priority: int) -> None:
         vocab_size, max_seq_len = self.engine.config.vocab_size, self.engine.config.max_seq_len
@@ -502,6 +521,11 @@ class OnlineEngine:
             self.step_sizes.append(report.num_scheduled)
         moment, handed = self.now(), []
         with self._lock:
+            for request_id in report.admitted:
+                self._waiting.pop(request_id, None)
+            for request_id in report.preempted:
+                if request_id in self._streams:
+                    self._waiting[request_id] = self._streams[request_id].client
             for request_id, token_ids, finish_reason in report.outputs:
                 stream = self._streams.get(request_id)
                 if stream is None:  # its client left
@@ -511,6 +535,7 @@ class OnlineEngine:
                     handed.append((stream, token))
                 if finish_reason:
                     del self._streams[request_id]
+                    self._waiting.pop(request_id, None)  # (an abort at stop may find it waiting)
                     handed.append((stream, finish_reason))
                     self.num_aborted_at_stop += finish_reason == "abort"  # only a stop aborts in the loop
         hand_over(handed)
@@ -522,7 +547,7 @@ class OnlineEngine:
             if self.failure is not None:  # the first failure is the cause
                 return
             self.failure = problem
-            streams, self._streams = self._streams, {}
+            streams, self._streams, self._waiting = self._streams, {}, {}
         hand_over([(stream, "error") for stream in streams.values()])
 
     def _observe(self, stream: Stream, moment: float) -> None:
@@ -536,5 +561,5 @@ class OnlineEngine:
 
     def _publish(self, report: LoopReport) -> None:
         if self.metrics:
-            self.metrics.preemptions.inc(report.num_preempted)
+            self.metrics.preemptions.inc(len(report.preempted))
             self.metrics.set_state(report.num_in_slots, report.num_waiting, report.num_blocks_used / report.num_blocks)

@@ -14,8 +14,8 @@ The knobs carry the policies' names; each maps to a `vllm serve` flag (README):
 request's `priority` field orders the queue). --policy spf admits the shortest predicted
 output first, its predictor off by a factor e^(--noise * z); vLLM has no such policy.
 uvicorn serves the app behind `labkit.serve.guards`, so that a class can share one server:
---api-key (as vLLM's), --max-waiting, --max-body-bytes, --max-connections and --read-timeout
-(`labkit.serve.limits`). On SIGINT or SIGTERM it stops taking requests, lets the open ones
+--api-key (as vLLM's), --max-waiting, --max-waiting-per-client, --max-body-bytes,
+--max-connections, --max-connections-per-client and --read-timeout (`labkit.serve.limits`). On SIGINT or SIGTERM it stops taking requests, lets the open ones
 finish for 5 s, then the engine aborts the rest, each ending with an error, and the log
 says how many; a second SIGINT skips what is left of the 5 s.
 
@@ -77,7 +77,8 @@ def build_server(engine, policy, model_name: str = DEFAULT_MODEL_NAME, checkpoin
     from labkit.serve.online import OnlineEngine
 
     eos_token_ids = checkpoint.eos_token_ids if checkpoint else ()
-    online = OnlineEngine(engine, policy, ServerMetrics(model_name), eos_token_ids, limits.max_waiting, own_process)
+    online = OnlineEngine(engine, policy, ServerMetrics(model_name), eos_token_ids, limits.max_waiting, own_process,
+                          limits.max_waiting_per_client)
     text_tokenizer = tokenizer.ModelTokenizer(checkpoint.tokenizer) if checkpoint else tokenizer
     return make_app(online, model_name, text_tokenizer, limits), online
 
@@ -170,13 +171,21 @@ def add_limit_flags(parser) -> None:
                         "header 'Authorization: Bearer KEY' on every path but /health and /metrics, as vllm serve "
                         "--api-key does (default: $LABKIT_API_KEY, else no key)")
     parser.add_argument("--max-waiting", type=whole_number(1), default=default.max_waiting, help="requests that "
-                        f"may wait for a slot; one more gets HTTP 503 (default {default.max_waiting})")
+                        "may wait for a slot; one more sheds the newest waiting request of the client holding the "
+                        "most of them if it holds more than the sender would, else gets HTTP 503 (default "
+                        f"{default.max_waiting})")
+    parser.add_argument("--max-waiting-per-client", type=whole_number(1), default=default.max_waiting_per_client,
+                        help="requests one client (its user field, else its address) may have waiting; one more "
+                        f"gets HTTP 503 (default {default.max_waiting_per_client})")
     parser.add_argument("--max-body-bytes", type=whole_number(1), default=default.max_body_bytes, help="the "
                         "largest request body; a larger one gets HTTP 413 before it is parsed (default "
                         f"{default.max_body_bytes}, 4 MiB)")
     parser.add_argument("--max-connections", type=whole_number(1), default=default.max_connections, help="open "
                         "connections; one more is closed as soon as it is accepted (default "
                         f"{default.max_connections}, fewer if the open-file limit is lower)")
+    parser.add_argument("--max-connections-per-client", type=whole_number(1),
+                        default=default.max_connections_per_client, help="open connections from one address; one "
+                        f"more is closed as soon as it is accepted (default {default.max_connections_per_client})")
     parser.add_argument("--read-timeout", type=number(0), default=default.read_timeout, help="seconds a "
                         "connection may take to send a request's head, then as many for its body (else HTTP 408) "
                         f"(default {default.read_timeout:g})")
@@ -184,8 +193,9 @@ def add_limit_flags(parser) -> None:
 
 def limits_from(args: argparse.Namespace) -> Limits:
     """The limits the command line asks for; a ValueError names a bad one."""
-    return Limits(api_key=args.api_key, max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
-                  max_connections=args.max_connections, read_timeout=args.read_timeout)
+    return Limits(api_key=args.api_key, max_waiting=args.max_waiting, max_waiting_per_client=args.max_waiting_per_client,
+                  max_body_bytes=args.max_body_bytes, max_connections=args.max_connections,
+                  max_connections_per_client=args.max_connections_per_client, read_timeout=args.read_timeout)
 
 
 def serve_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
