@@ -96,6 +96,7 @@ def test_a_whole_completion_whose_client_leaves_is_aborted(guarded, monkeypatch)
 # 2. Sampling fields and types, checked strictly
 
 GREEDY = "not supported, labkit serve decodes greedily; leave it out or send"
+NOT_IMPLEMENTED = "not supported, labkit serve does not implement it; leave it out or send"
 
 
 @pytest.mark.parametrize("body, param, message", [
@@ -114,6 +115,20 @@ GREEDY = "not supported, labkit serve decodes greedily; leave it out or send"
     (dict(logit_bias={"5": 10}), "logit_bias", f"logit_bias = {{'5': 10}}: {GREEDY} {{}} or null"),
     (dict(presence_penalty=0.5), "presence_penalty", f"presence_penalty = 0.5: {GREEDY} 0 or null"),
     (dict(frequency_penalty=1), "frequency_penalty", f"frequency_penalty = 1: {GREEDY} 0 or null"),
+    (dict(response_format={"type": "json_object"}), "response_format",
+     f"response_format = {{'type': 'json_object'}}: {NOT_IMPLEMENTED} {{\"type\": \"text\"}} or null"),
+    (dict(guided_choice=["a", "b"]), "guided_choice", f"guided_choice = ['a', 'b']: {NOT_IMPLEMENTED} null"),
+    (dict(guided_json={}), "guided_json", f"guided_json = {{}}: {NOT_IMPLEMENTED} null"),
+    (dict(structured_outputs={"choice": ["a"]}), "structured_outputs",
+     f"structured_outputs = {{'choice': ['a']}}: {NOT_IMPLEMENTED} null"),
+    (dict(bad_words=["x"]), "bad_words", f"bad_words = ['x']: {NOT_IMPLEMENTED} [] or null"),
+    (dict(use_beam_search=True), "use_beam_search", f"use_beam_search = True: {NOT_IMPLEMENTED} false or null"),
+    (dict(allowed_token_ids=[]), "allowed_token_ids",
+     "allowed_token_ids: List should have at least 1 item after validation, not 0 (got [])"),
+    (dict(allowed_token_ids=[5, 10**6]), None,  # checked by the engine, as the prompt's ids are
+     "allowed_token_ids[1] = 1000000 is outside the vocabulary (0..299)"),
+    (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens",
+     "truncate_prompt_tokens: Input should be greater than or equal to 1 (got 0)"),
     (dict(seed=1.5), "seed", "seed: Input should be a valid integer (got 1.5)"),
     (dict(max_tokens=True), "max_tokens", "max_tokens: Input should be a valid integer (got True)"),
     (dict(max_tokens=-1), "max_tokens", "max_tokens: Input should be greater than or equal to 1 (got -1)"),
@@ -130,6 +145,23 @@ def test_what_the_greedy_engine_cannot_honour_is_a_400_naming_the_field(guarded,
     answer = post(guarded.url, **{"prompt": [5], "max_tokens": 2, **body})
     assert_error(answer, 400, "BadRequestError", message, param)
     assert len(answer.content) < 400
+
+
+def test_allowed_token_ids_are_the_only_ids_sampled(guarded):
+    """The greedy outputs without a mask, then with the mask of two ids none of them is: every
+    token is one of the two, so the mask changed what was sampled (the plain run is the control)."""
+    plain = post(guarded.url, prompt=[0, 5, 6], max_tokens=6).json()["choices"][0]["token_ids"]
+    allowed = [token for token in range(1, 300) if token not in plain][:2]
+    masked = post(guarded.url, prompt=[0, 5, 6], max_tokens=6, allowed_token_ids=allowed).json()
+    assert set(masked["choices"][0]["token_ids"]) <= set(allowed) and len(masked["choices"][0]["token_ids"]) == 6
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(guarded):
+    whole = post(guarded.url, prompt=[0, 5, 6, 7, 8], max_tokens=4).json()
+    cut = post(guarded.url, prompt=[0, 5, 6, 7, 8], max_tokens=4, truncate_prompt_tokens=2).json()
+    tail = post(guarded.url, prompt=[7, 8], max_tokens=4).json()
+    assert cut["choices"][0]["token_ids"] == tail["choices"][0]["token_ids"]
+    assert cut["usage"]["prompt_tokens"] == 2 and whole["usage"]["prompt_tokens"] == 5
 
 
 def test_the_values_that_mean_greedy_are_accepted_and_change_nothing(guarded):

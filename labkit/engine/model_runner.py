@@ -77,12 +77,14 @@ def sleep_holding_lock(seconds: float) -> None:
 @dataclass(frozen=True)
 class PreparedStep:
     """A step's model inputs, the rows among them that sample a token, and for each of those
-    the ids it may not pick yet (a request short of its `min_tokens`: its end-of-sequence ids)."""
+    the ids it may not pick yet (a request short of its `min_tokens`: its end-of-sequence ids)
+    and the only ids it may pick (its `allowed_token_ids`; empty: any)."""
 
     inputs: ModelInputs
     emitting: list[int]  # rows whose step leaves none of their tokens uncomputed
     requests: list[Request]  # the emitting rows' requests, in the same order
     banned: list[tuple[int, ...]]  # per emitting row
+    allowed: list[tuple[int, ...]]  # per emitting row
 
 
 class Untimed:
@@ -143,7 +145,8 @@ class ModelRunner:
         inputs = ModelInputs.build(new_tokens, starts, tables, self.cache.block_size, self.device)
         emitting = [i for i, (request, n) in enumerate(rows) if n and n == request.num_uncomputed]
         requests = [rows[i][0] for i in emitting]
-        return PreparedStep(inputs, emitting, requests, [banned_ids(request) for request in requests])
+        return PreparedStep(inputs, emitting, requests, [banned_ids(request) for request in requests],
+                            [request.allowed_token_ids for request in requests])
 
     def forward(self, inputs: ModelInputs) -> torch.Tensor:
         """(R, vocab) logits of each row's last new token: replayed from a CUDA graph for a
@@ -154,9 +157,13 @@ class ModelRunner:
 
     def sample(self, logits: torch.Tensor, step: PreparedStep) -> torch.Tensor:
         """(E,) the most likely token of each emitting row's (E, vocab) logits that it may pick."""
-        for row, banned in enumerate(step.banned):
+        for row, (banned, allowed) in enumerate(zip(step.banned, step.allowed)):
             if banned:
                 logits[row, list(banned)] = float("-inf")  # a copy of the forward's logits: indexed
+            if allowed:
+                kept = logits[row, list(allowed)]  # (A,) a copy, banned ones at -inf still
+                logits[row] = float("-inf")
+                logits[row, list(allowed)] = kept
         return logits.argmax(dim=-1)
 
 

@@ -85,17 +85,19 @@ class Request:
     ids) then its outputs; empty when the back end samples none (the simulator).
     eos_token_ids, min_tokens: it ends early on sampling one of those ids after `min_tokens`
     outputs (a back end never lets it sample one before); output_len is its most outputs.
+    allowed_token_ids: the only ids a back end lets it sample (empty: any).
     """
 
     __slots__ = (
         "index", "id", "arrival", "prompt_len", "output_len", "priority", "num_prompt_tokens", "num_generated",
         "num_computed", "num_uncomputed", "num_preemptions", "admitted_order", "slot", "block_table",
-        "token_ids", "eos_token_ids", "min_tokens", "is_stopped", "client",
+        "token_ids", "eos_token_ids", "min_tokens", "is_stopped", "client", "allowed_token_ids",
     )
 
     def __init__(self, index: int, id: int, arrival: float, prompt_len: int, output_len: int,
                  num_generated: int = 0, priority: int = 0, token_ids: list[int] | None = None,
-                 eos_token_ids: tuple[int, ...] = (), min_tokens: int = 0, client: int = 0):
+                 eos_token_ids: tuple[int, ...] = (), min_tokens: int = 0, client: int = 0,
+                 allowed_token_ids: tuple[int, ...] = ()):
         self.index, self.id, self.arrival, self.client = index, id, arrival, client
         self.prompt_len, self.output_len, self.priority = prompt_len, output_len, priority
         self.num_prompt_tokens = 1 + prompt_len  # a begin-of-sequence token, then the prompt
@@ -109,6 +111,7 @@ class Request:
         self.token_ids = list(token_ids or ())
         self.eos_token_ids, self.min_tokens = tuple(eos_token_ids), min_tokens
         self.is_stopped = False  # whether it ended at an end-of-sequence token
+        self.allowed_token_ids = tuple(allowed_token_ids)
 
     def __repr__(self) -> str:
         return (

@@ -14,6 +14,9 @@
   vLLM's `priority`, a JSON integer (default 0, lower is served first), goes with the
   request into the scheduler: `labkit serve --policy priority` orders its queue by it,
   other policies carry it along unread.
+  vLLM's `allowed_token_ids` (a non-empty list of ids: the only ones it may sample, a
+  mask on the logits) and `truncate_prompt_tokens` (N >= 1: the prompt's last N tokens
+  are kept, as vLLM keeps them).
 - `GET /v1/models`, `GET /health` (503 once the engine's loop has failed or stopped), and
   `GET /metrics` (Prometheus, `labkit.serve.prometheus`).
 
@@ -25,7 +28,11 @@ number, ignored (greedy decoding is deterministic). The engine decodes greedily,
 sampling field in `GREEDY_ONLY` is refused unless absent, null, or at the value that means
 greedy: temperature 0, top_p 1, top_k -1 or 0, min_p 0, n 1, best_of 1, logprobs and
 prompt_logprobs null, echo false, stop and stop_token_ids [], suffix null, logit_bias {},
-presence_penalty and frequency_penalty 0, repetition_penalty 1. `user` (OpenAI's end user,
+presence_penalty and frequency_penalty 0, repetition_penalty 1. Fields that would change
+the output and that labkit does not implement (`NOT_IMPLEMENTED`) are refused the same way
+unless absent, null or at the value that changes nothing: response_format {"type": "text"},
+guided_json, guided_regex, guided_choice, guided_grammar and structured_outputs null,
+bad_words [], use_beam_search false. `user` (OpenAI's end user,
 a string) names the request's client, else the address it came from (`client_of`): a
 policy that shares the engine between clients (`labkit.Fair`) reads it. Other fields that
 OpenAI clients send are accepted and ignored.
@@ -105,6 +112,8 @@ class CompletionRequest(BaseModel):
     min_tokens: int = Field(0, ge=0)
     priority: int = 0  # a JSON integer: neither 1.5, "1" nor true
     user: str | None = None  # OpenAI's end user: the client `labkit.Fair` shares the engine between
+    allowed_token_ids: list[int] | None = Field(None, min_length=1)  # vLLM's: the only ids it may sample
+    truncate_prompt_tokens: int | None = Field(None, ge=1)  # vLLM's: keep the prompt's last N tokens
     seed: int | None = None  # accepted and ignored: greedy decoding is deterministic
 
     @field_validator("prompt", mode="before")
@@ -138,15 +147,30 @@ GREEDY_ONLY = {
     "repetition_penalty": ("1", lambda value: _is_number(value, 1)),
 }
 
+# Fields that would change the output and that labkit does not implement: what each may be
+# besides null, and the test of a value that changes nothing
+NOT_IMPLEMENTED = {
+    "response_format": ('{"type": "text"}', lambda value: value == {"type": "text"}),
+    "guided_json": (None, lambda value: False),
+    "guided_regex": (None, lambda value: False),
+    "guided_choice": (None, lambda value: False),
+    "guided_grammar": (None, lambda value: False),
+    "structured_outputs": (None, lambda value: False),
+    "bad_words": ("[]", lambda value: value == []),
+    "use_beam_search": ("false", lambda value: value is False),
+}
 
-def unsupported_sampling(body: CompletionRequest) -> tuple[str, str] | None:
-    """(field, message) for the first sampling field that greedy decoding cannot honour; None if none."""
-    for field, (greedy, is_greedy) in GREEDY_ONLY.items():
-        value = (body.model_extra or {}).get(field)
-        if value is not None and not is_greedy(value):
-            allowed = "null" if greedy is None else f"{greedy} or null"
-            return field, (f"{field} = {shown(value)}: not supported, labkit serve decodes greedily; leave it out "
-                           f"or send {allowed}")
+
+def unsupported_field(body: CompletionRequest) -> tuple[str, str] | None:
+    """(field, message) for the first field that would change the output and that labkit cannot
+    honour: a sampling field greedy decoding cannot, or one it does not implement; None if none."""
+    for table, why in ((GREEDY_ONLY, "labkit serve decodes greedily"), (NOT_IMPLEMENTED, "labkit serve does not "
+                                                                         "implement it")):
+        for field, (default, changes_nothing) in table.items():
+            value = (body.model_extra or {}).get(field)
+            if value is not None and not changes_nothing(value):
+                allowed = "null" if default is None else f"{default} or null"
+                return field, f"{field} = {shown(value)}: not supported, {why}; leave it out or send {allowed}"
     return None
 
 
@@ -231,15 +255,18 @@ def make_app(online: OnlineEngine, model_name: str, tokenizer=byte_tokenizer, li
     async def completions(body: CompletionRequest, request: Request):
         if body.model != model_name:
             return error(f"model = {shown(body.model)}: this server serves {model_name!r}", 404, param="model")
-        if unsupported := unsupported_sampling(body):
+        if unsupported := unsupported_field(body):
             field, message = unsupported
             return error(message, param=field)
         prompt = tokenizer.prompt_ids(body.prompt) if isinstance(body.prompt, str) else body.prompt
+        if body.truncate_prompt_tokens is not None:
+            prompt = prompt[-body.truncate_prompt_tokens :]  # its last N tokens, as vLLM keeps them
         if body.min_tokens > body.max_tokens:
             return error(f"min_tokens = {body.min_tokens} exceeds max_tokens = {body.max_tokens}", param="min_tokens")
         try:
             request_id, stream = online.submit(prompt, body.max_tokens, body.priority, ignore_eos=body.ignore_eos,
-                                               min_tokens=body.min_tokens, client=client_of(body, request))
+                                               min_tokens=body.min_tokens, client=client_of(body, request),
+                                               allowed_token_ids=body.allowed_token_ids or ())
         except Unavailable as problem:
             return error(str(problem), 503)
         except ValueError as problem:

@@ -388,15 +388,17 @@ class OnlineEngine:
         return time.perf_counter() - self.start
 
     def submit(self, prompt_ids: list[int], max_tokens: int, priority: int = 0, ignore_eos: bool = False,
-               min_tokens: int = 0, client: str = "") -> tuple[int, Stream]:
+               min_tokens: int = 0, client: str = "", allowed_token_ids: list[int] = ()) -> tuple[int, Stream]:
         """Queue a request whose sequence starts as `prompt_ids`, used as given (no
         begin-of-sequence token is added, as in vLLM), with this priority (lower is served first
         by a policy that reads it), from this client (a policy that shares the engine between
         clients reads it); it may stop at an EOS after `min_tokens` outputs unless
-        `ignore_eos`. Returns its id and the stream its outputs come on.
+        `ignore_eos`, and samples only `allowed_token_ids` if given. Returns its id and the
+        stream its outputs come on.
         A ValueError names what is wrong with it; `Unavailable` says why none can be taken now."""
         self._check(prompt_ids, max_tokens, priority)
         self._check_eos_rule(ignore_eos, min_tokens, max_tokens)
+        self._check_allowed(allowed_token_ids, () if ignore_eos or not min_tokens else self.eos_token_ids)
         with self._lock:
             self._check_available()
             shed = self._make_room(client)
@@ -405,7 +407,8 @@ class OnlineEngine:
             # the part a request's begin-of-sequence token plays in the scheduler's counts
             request = Request(request_id, request_id, self.now(), len(prompt_ids) - 1, max_tokens, priority=priority,
                               token_ids=prompt_ids, eos_token_ids=() if ignore_eos else self.eos_token_ids,
-                              min_tokens=min_tokens, client=self._client_number(client))
+                              min_tokens=min_tokens, client=self._client_number(client),
+                              allowed_token_ids=tuple(allowed_token_ids))
             self.policy.check_fits(request)
             self._next_id += 1
             stream = self._streams[request_id] = Stream(request.arrival, client)
@@ -502,6 +505,17 @@ class OnlineEngine:
             if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab_size:
                 raise ValueError(f"prompt token {token!r} at position {position} is outside the vocabulary "
                                  f"(0..{vocab_size - 1})")
+
+    def _check_allowed(self, allowed_token_ids: list[int], banned_at_first: tuple[int, ...]) -> None:
+        """The ids a request may sample: in the vocabulary, and not only ids it may not pick yet."""
+        vocab_size = self.engine.config.vocab_size
+        for position, token in enumerate(allowed_token_ids):
+            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab_size:
+                raise ValueError(f"allowed_token_ids[{position}] = {token!r} is outside the vocabulary "
+                                 f"(0..{vocab_size - 1})")
+        if allowed_token_ids and set(allowed_token_ids) <= set(banned_at_first):
+            raise ValueError(f"allowed_token_ids = {list(allowed_token_ids)!r}: only end-of-sequence ids, which "
+                             "min_tokens forbids at first")
 
     @staticmethod
     def _check_eos_rule(ignore_eos: bool, min_tokens: int, max_tokens: int) -> None:
