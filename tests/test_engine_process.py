@@ -6,12 +6,14 @@ into it, and the stop rule, aborts and shutdown in both.)"""
 
 import asyncio
 import re
+import time
 
 import pytest
 import torch
 
 import labkit as lk
 from labkit.engine import Engine
+from labkit.serve import online as online_module
 from labkit.serve.online import OnlineEngine, Unavailable
 from labkit.serve.prometheus import ServerMetrics
 from tests.test_online import ENGINE, PROMPTS, REFERENCE, TINY, TRACE, drained, read_items, serve
@@ -27,6 +29,11 @@ def started(policy=lk.Continuous(num_slots=2), engine: Engine = ENGINE, **option
 
 def every_request() -> list[tuple[list[int], int, dict]]:
     return [(prompt, int(n), {}) for prompt, n in zip(PROMPTS, TRACE.output_lengths)]
+
+
+def hang(seconds: float) -> None:
+    """A step's host work that never ends (as far as a test can tell)."""
+    time.sleep(3600)
 
 
 def boom(seconds: float) -> None:
@@ -85,3 +92,25 @@ def test_a_process_that_dies_ends_every_request_with_an_error():
     assert asyncio.run(kill_it_mid_request()) == "error"
     assert str(online.failure) == "the engine's process ended (exit code -9)" and not online.is_running()
     online.stop()
+
+
+def test_a_stuck_step_is_seen_and_stop_kills_the_process(monkeypatch):
+    """A step that never returns: the loop falls silent with a request in flight, `stuck` says so
+    once STUCK_AFTER_S has passed, and `stop` kills the process after STOP_TIMEOUT_S, ending the
+    request it held ("abort", counted)."""
+    monkeypatch.setattr(online_module, "STUCK_AFTER_S", 0.5)
+    monkeypatch.setattr(online_module, "STOP_TIMEOUT_S", 1.0)
+    hanging = Engine(TINY, device="cpu", seed=0, threads=1, extra_host_seconds=1e-6, extra_host_work=hang)
+    online = started(engine=hanging)
+
+    async def stuck_then_stopped():
+        _, stream = online.submit(PROMPTS[0], 4)
+        while online.stuck() is None:
+            await asyncio.sleep(0.1)
+        silent, usual = online.stuck()
+        num_aborted = await asyncio.to_thread(online.stop)
+        return silent, usual, num_aborted, await asyncio.wait_for(read_items(stream), 20)
+
+    silent, usual, num_aborted, items = asyncio.run(stuck_then_stopped())
+    assert silent > 0.5 and usual == 0.0  # no step has ended: none to compare with
+    assert num_aborted == 1 and items == ["abort"] and not online.core.is_alive()

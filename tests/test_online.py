@@ -6,6 +6,7 @@ a server of its own.)"""
 
 import asyncio
 import re
+import threading
 
 import pytest
 
@@ -148,7 +149,8 @@ def test_stop_aborts_what_is_in_flight_and_counts_it(own_process):
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the thread re-raises
 def test_a_step_that_raises_ends_every_request_with_an_error(monkeypatch):
-    online = OnlineEngine(ENGINE, lk.Continuous(num_slots=2))
+    metrics = ServerMetrics("tiny")
+    online = OnlineEngine(ENGINE, lk.Continuous(num_slots=2), metrics=metrics)
 
     def broken(batch):
         raise RuntimeError("boom")
@@ -157,6 +159,7 @@ def test_a_step_that_raises_ends_every_request_with_an_error(monkeypatch):
     online.start_thread()
     (items,) = serve(online, [(PROMPTS[0], 4, {})])
     assert items == ["error"] and isinstance(online.failure, RuntimeError)
+    assert metrics.running._value.get() == 0  # the gauges do not keep the request the step held
     with pytest.raises(Unavailable, match=re.escape("the engine stopped after an error (RuntimeError)")):
         online.submit(PROMPTS[0], 1)
     online.stop()  # joins the thread, so its traceback is this test's (and filtered), not the next one's
@@ -229,3 +232,39 @@ def test_one_client_may_hold_only_its_share_of_the_queue():
         assert asyncio.run(three_each()) == ["length"] * 3
     finally:
         online.stop()
+
+
+def test_a_loop_silent_far_past_its_usual_step_is_stuck(monkeypatch):
+    """Five steps run, then the sixth does not return: `stuck` gives the silence and the usual step
+    (the median gap between step reports, measured), once the silence passes STUCK_AFTER_S (0.3 s
+    here) and STUCK_FACTOR usual steps; before that, and with nothing in flight, None."""
+    from labkit.serve import online as online_module
+
+    monkeypatch.setattr(online_module, "STUCK_AFTER_S", 0.3)
+    online = OnlineEngine(ENGINE, lk.Continuous(num_slots=1))
+    release, run, calls = threading.Event(), online.core.runner.run, []
+
+    def sixth_hangs(batch):
+        calls.append(batch.size)
+        if len(calls) == 6:
+            release.wait(60)
+        return run(batch)
+
+    monkeypatch.setattr(online.core.runner, "run", sixth_hangs)
+    online.start_thread()
+
+    async def until_stuck():
+        assert online.stuck() is None  # nothing in flight
+        _, stream = online.submit(PROMPTS[0], 10)
+        for _ in range(5):
+            assert isinstance(await asyncio.wait_for(stream.get(), 20), int)
+        while online.stuck() is None:
+            await asyncio.sleep(0.05)
+        return online.stuck()
+
+    try:
+        silent, usual = asyncio.run(until_stuck())
+    finally:
+        release.set()
+        online.stop()
+    assert 0 < usual < silent / online_module.STUCK_FACTOR and silent > 0.3

@@ -27,6 +27,7 @@ import pytest
 
 import labkit as lk
 from labkit.engine import Engine, ModelConfig
+from labkit.serve import online as online_module
 from labkit.serve.guards import QuietRepeats
 from labkit.serve.limits import Limits
 from labkit.serve.processes import answers_health
@@ -613,6 +614,44 @@ def test_a_second_ctrl_c_ends_open_streams_with_an_error_and_the_process_cleanly
     assert len(endings) == 2
     assert re.fullmatch(r"labkit serve: stopped after \d+ steps; 2 requests cut short at shutdown\n",
                         log_path.read_text()[log_before:])
+
+
+def test_a_stuck_step_turns_health_to_503_and_shutdown_still_ends_the_stream(monkeypatch):
+    """A step that does not return: /health says so once the loop has been silent STUCK_AFTER_S
+    (0.5 s here) with a request in flight; at shutdown the loop's thread gets STOP_TIMEOUT_S
+    (1 s here), and the stream it held still ends, with the shutdown's error chunk."""
+    monkeypatch.setattr(online_module, "STUCK_AFTER_S", 0.5)
+    monkeypatch.setattr(online_module, "STOP_TIMEOUT_S", 1.0)
+    server = Served(limits=Limits(shutdown_grace=0.2))
+    release = threading.Event()
+    run = server.online.core.runner.run
+
+    def stuck(batch):
+        release.wait(60)
+        return run(batch)
+
+    monkeypatch.setattr(server.online.core.runner, "run", stuck)
+    lines = []
+
+    def stream():
+        payload = {"model": MODEL, "prompt": [5], "max_tokens": 4, "stream": True}
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=payload, timeout=60) as answer:
+            lines.extend(line for line in answer.iter_lines() if line.startswith("data: "))
+
+    client = threading.Thread(target=stream)
+    try:
+        assert httpx.get(f"{server.url}/health").status_code == 200  # the control: nothing in flight yet
+        client.start()
+        assert wait_until(lambda: httpx.get(f"{server.url}/health").status_code == 503, 20)
+        message = httpx.get(f"{server.url}/health").json()["message"]
+        assert re.fullmatch(r"the engine's loop has been silent for \d+\.\d s with requests in flight \(no step has "
+                            r"ended yet\): a step may be stuck", message)
+        server.stop()
+        client.join(timeout=20)
+    finally:
+        release.set()
+    assert lines[-1] == "data: [DONE]" and json.loads(lines[-2][6:])["error"]["message"].startswith(
+        "the server is shutting down")
 
 
 def children_of(pid: int) -> list[int]:

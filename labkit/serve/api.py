@@ -17,7 +17,8 @@
   vLLM's `allowed_token_ids` (a non-empty list of ids: the only ones it may sample, a
   mask on the logits) and `truncate_prompt_tokens` (N >= 1: the prompt's last N tokens
   are kept, as vLLM keeps them).
-- `GET /v1/models`, `GET /health` (503 once the engine's loop has failed or stopped), and
+- `GET /v1/models`, `GET /health` (503 once the engine's loop has failed or stopped, or
+  while it seems stuck in a step: `OnlineEngine.stuck`), and
   `GET /metrics` (Prometheus, `labkit.serve.prometheus`).
 
 Requests are read strictly: each field has its JSON type (no "4" for 4, no true for 1),
@@ -240,6 +241,11 @@ def make_app(online: OnlineEngine, model_name: str, tokenizer=byte_tokenizer, li
             return error(f"the engine stopped after an error: {shown(online.failure)}", 503)
         if not online.is_running():
             return error("the engine is not running", 503)
+        if stuck := online.stuck():
+            silent, usual = stuck
+            steps = f"its steps take {usual * 1000:.0f} ms" if usual else "no step has ended yet"
+            return error(f"the engine's loop has been silent for {silent:.1f} s with requests in flight ({steps}): "
+                         "a step may be stuck", 503)
         return Response(status_code=200)
 
     @app.get("/v1/models")

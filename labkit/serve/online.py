@@ -54,6 +54,7 @@ import collections
 import contextlib
 import pickle
 import signal
+import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -73,7 +74,8 @@ from labkit.serve.prometheus import ServerMetrics
 
 IDLE_WAIT_SECONDS = 1.0  # the longest the loop sleeps when nothing can run, before it looks again
 MAX_CLIENTS = 10_000  # clients told apart; past them, new names share one number (memory stays bounded)
-STOP_TIMEOUT_S = 10.0  # how long a stopping engine process may take to finish its step, before it is killed
+STOP_TIMEOUT_S = 10.0  # how long a stopping loop may take to finish its step: then a process is killed, a thread left
+STUCK_AFTER_S, STUCK_FACTOR = 3.0, 50  # a loop silent this long, and this many times its usual step, is stuck
 
 
 class Unavailable(RuntimeError):
@@ -170,18 +172,20 @@ class EngineLoop:
         return self._thread is not None and self._thread.is_alive()
 
     def stop(self) -> None:
-        """Let the loop end: it aborts what is in flight (and reports it) first. Joins its thread."""
+        """Let the loop end: it aborts what is in flight (and reports it) first. Joins its thread,
+        for STOP_TIMEOUT_S at most: a thread stuck in a step is left behind (it is a daemon)."""
         with self._wake:
             self._stopping = True
             self._wake.notify()
         if self._thread is not None:
-            self._thread.join()
+            self._thread.join(STOP_TIMEOUT_S)
 
     # The loop's thread
 
     def serve_forever(self) -> None:
         """The serving loop, until `stop`; a step that raises is reported, then raised again."""
         try:
+            self.report(self._report_of([]))  # running: the callers time its silences from here
             with torch.inference_mode(), torch_threads(self.threads):
                 while self._take_in():
                     self.state.now = self.now()
@@ -374,6 +378,8 @@ class OnlineEngine:
         self.core = (EngineProcess if own_process else EngineLoop)(engine, policy, self._take_report, self.start)
         self.step_sizes: list[int] = []  # requests scheduled in each step, for the record
         self.last_report: LoopReport | None = None
+        self.last_report_at = 0.0  # when it came (seconds since the start)
+        self._step_gaps: collections.deque[float] = collections.deque(maxlen=64)  # between step reports
         self._streams: dict[int, Stream] = {}  # request id -> its stream, while it is in flight
         self._waiting: dict[int, str] = {}  # request id -> its client, while it waits for a slot (as the loop said)
         self._client_numbers: dict[str, int] = {}  # a client's name -> the number its requests carry
@@ -459,11 +465,27 @@ class OnlineEngine:
 
     def stop(self) -> int:
         """Take no more requests, abort the ones in flight, and let the loop end; returns how
-        many were aborted. Calling it again returns the same count."""
+        many were aborted. A loop stuck in a step is given STOP_TIMEOUT_S (then its process is
+        killed), and what it still held ends here. Calling it again returns the same count."""
         with self._lock:
             self._stopping = True
         self.core.stop()
+        with self._lock:
+            stranded = list(self._streams)
+            self.num_aborted_at_stop += len(stranded)
+            for request_id in stranded:
+                self._end(request_id, "abort")
         return self.num_aborted_at_stop
+
+    def stuck(self) -> tuple[float, float] | None:
+        """(seconds the loop has been silent, its usual step's seconds) while requests are in
+        flight and it has been silent more than STUCK_AFTER_S and STUCK_FACTOR usual steps; else
+        None. (An idle loop reports every IDLE_WAIT_SECONDS.)"""
+        if not self._streams or self.last_report is None:  # nothing to do, or not started yet
+            return None
+        silent = self.now() - self.last_report_at
+        usual = statistics.median(self._step_gaps) if self._step_gaps else 0.0
+        return (silent, usual) if silent > max(STUCK_AFTER_S, STUCK_FACTOR * usual) else None
 
     def _check_available(self) -> None:
         """Under `_lock`: an `Unavailable` when no request can be taken now."""
@@ -530,10 +552,13 @@ class OnlineEngine:
         """Hand each reported token to its stream, then its finish reason; count them."""
         if report.failure is not None:
             return self._fail(report.failure)
-        self.last_report = report
+        moment = self.now()
         if report.num_scheduled:
+            if self.last_report is not None and self.last_report.num_scheduled:
+                self._step_gaps.append(moment - self.last_report_at)
             self.step_sizes.append(report.num_scheduled)
-        moment, handed = self.now(), []
+        self.last_report, self.last_report_at = report, moment
+        handed = []
         with self._lock:
             for request_id in report.admitted:
                 self._waiting.pop(request_id, None)
@@ -563,6 +588,8 @@ class OnlineEngine:
             self.failure = problem
             streams, self._streams, self._waiting = self._streams, {}, {}
         hand_over([(stream, "error") for stream in streams.values()])
+        if self.metrics:
+            self.metrics.set_state(0, 0, 0.0)  # nothing runs or waits any more
 
     def _observe(self, stream: Stream, moment: float) -> None:
         """Count a token sent, and its latency: from arrival for the first, from the last one after."""
