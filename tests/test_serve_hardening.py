@@ -386,7 +386,7 @@ def test_weights_that_do_not_fit_in_shared_memory_are_one_error_line(monkeypatch
 
 @pytest.mark.parametrize("field, value, message", [
     ("max_waiting", 0, "max_waiting = 0: must be a whole number >= 1"),
-    ("max_body_bytes", True, "max_body_bytes = True: must be a whole number >= 1"),
+    ("max_body_bytes", True, "max_body_bytes = True: must be a whole number >= 1, or None"),  # None: the model's
     ("read_timeout", float("nan"), "read_timeout = nan: must be a number of seconds > 0"),
     ("shutdown_grace", -1.0, "shutdown_grace = -1.0: must be a number of seconds > 0"),
     ("api_key", 5, "api_key = 5: must be a non-empty string, or None for no key"),
@@ -418,6 +418,26 @@ def test_a_chunked_body_is_refused_as_soon_as_it_passes_the_limit(guarded):
     assert answer.startswith(b"HTTP/1.1 413 ")  # not 408: the server did not wait for the end
     assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["message"] == (
         f"the body is more than {BODY_LIMIT} bytes, the most this server takes")
+
+
+def test_the_default_body_limit_takes_the_longest_prompt_the_model_does_and_no_more():
+    """TinyGPT's default limit (README states it): a prompt of its whole context as control
+    characters, each escaped as six bytes of JSON (the worst a byte-level prompt can be), fits and
+    is served; a body one byte over the limit gets 413."""
+    server = Served(lk.Continuous(num_slots=1), config=ModelConfig(), limits=Limits(shutdown_grace=0.5))
+    limit = Limits().for_model(server.engine.config.max_seq_len, server.engine.config.vocab_size).max_body_bytes
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    longest = {"model": MODEL, "prompt": "\x01" * (server.engine.config.max_seq_len - 2), "max_tokens": 1}
+    content = json.dumps(longest).encode()
+    try:
+        served = httpx.post(f"{server.url}/v1/completions", content=content, timeout=30,
+                            headers={"content-type": "application/json"})
+        over = httpx.post(f"{server.url}/v1/completions", content=content + b" " * (limit + 1 - len(content)),
+                          timeout=30, headers={"content-type": "application/json"})
+    finally:
+        server.stop()
+    assert f"(TinyGPT: {limit:,})" in readme
+    assert len(content) < limit and served.status_code == 200 and over.status_code == 413
 
 
 def test_a_body_within_the_limit_is_read(guarded):

@@ -264,7 +264,9 @@ def make_app(online: OnlineEngine, model_name: str, tokenizer=byte_tokenizer, li
         if unsupported := unsupported_field(body):
             field, message = unsupported
             return error(message, param=field)
-        prompt = tokenizer.prompt_ids(body.prompt) if isinstance(body.prompt, str) else body.prompt
+        prompt = body.prompt
+        if isinstance(prompt, str):  # in a worker thread: the event loop streams on meanwhile
+            prompt = await asyncio.to_thread(tokenizer.prompt_ids, prompt)
         if body.truncate_prompt_tokens is not None:
             prompt = prompt[-body.truncate_prompt_tokens :]  # its last N tokens, as vLLM keeps them
         if body.min_tokens > body.max_tokens:

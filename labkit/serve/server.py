@@ -79,6 +79,7 @@ def build_server(engine, policy, model_name: str = DEFAULT_MODEL_NAME, checkpoin
     from labkit.serve.prometheus import ServerMetrics
     from labkit.serve.online import OnlineEngine
 
+    limits = limits.for_model(engine.config.max_seq_len, engine.config.vocab_size)
     eos_token_ids = checkpoint.eos_token_ids if checkpoint else ()
     online = OnlineEngine(engine, policy, ServerMetrics(model_name), eos_token_ids, limits.max_waiting, own_process,
                           limits.max_waiting_per_client)
@@ -179,10 +180,11 @@ def add_limit_flags(parser) -> None:
                         f"{default.max_waiting})")
     parser.add_argument("--max-waiting-per-client", type=whole_number(1), default=default.max_waiting_per_client,
                         help="requests one client (its user field, else its address) may have waiting; one more "
-                        f"gets HTTP 503 (default {default.max_waiting_per_client})")
+                        "gets HTTP 503 (default: no cap of its own; a full queue sheds the biggest holder's)")
     parser.add_argument("--max-body-bytes", type=whole_number(1), default=default.max_body_bytes, help="the "
-                        "largest request body; a larger one gets HTTP 413 before it is parsed (default "
-                        f"{default.max_body_bytes}, 4 MiB)")
+                        "largest request body; a larger one gets HTTP 413 before it is parsed (default: what the "
+                        "model can use: 16 KiB, and 16 bytes for each token of its context and each id of its "
+                        "vocabulary)")
     parser.add_argument("--max-connections", type=whole_number(1), default=default.max_connections, help="open "
                         "connections; one more is closed as soon as it is accepted (default "
                         f"{default.max_connections}, fewer if the open-file limit is lower)")
