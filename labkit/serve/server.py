@@ -13,9 +13,9 @@ The knobs carry the policies' names; each maps to a `vllm serve` flag (README):
 (--enable-chunked-prefill), --policy priority (--scheduling-policy priority: each
 request's `priority` field orders the queue). --policy spf admits the shortest predicted
 output first, its predictor off by a factor e^(--noise * z); vLLM has no such policy.
---policy fair, the default, shares the engine between clients (a request's `user` field,
-else its address) by their virtual token counters (`labkit.Fair`); with one client it
-decides exactly as --policy continuous, first come, first served.
+--policy fair shares the engine between clients (a request's `user` field, else its
+address) by their virtual token counters (`labkit.Fair`); with one client it decides
+exactly as --policy continuous, first come, first served.
 uvicorn serves the app behind `labkit.serve.guards`, so that a class can share one server:
 --api-key (as vLLM's), --max-waiting, --max-waiting-per-client, --max-body-bytes,
 --max-connections, --max-connections-per-client and --read-timeout (`labkit.serve.limits`). On SIGINT or SIGTERM it stops taking requests, lets the open ones
@@ -40,7 +40,7 @@ from labkit.serve.limits import Limits
 ITERATION_LEVEL = {"continuous": lk.Continuous, "priority": lk.Priority, "spf": lk.ShortestPredictedFirst,
                    "fair": lk.Fair}
 POLICIES = (*ITERATION_LEVEL, "static", "dynamic")
-POLICIES_HELP = ("the scheduling policy (default fair): continuous (first come, first served), priority "
+POLICIES_HELP = ("the scheduling policy (default continuous): continuous (first come, first served), priority "
                  "(the lowest value of a request's priority field first, preempting higher values), spf "
                  "(shortest predicted output first), fair (the client served the fewest weighted tokens first; a "
                  "client is a request's user field, else its address), static (whole batches), dynamic (batches "
@@ -122,7 +122,7 @@ def model_name_from(args: argparse.Namespace) -> str:
 
 def add_policy_knobs(parser, slots: int | None) -> None:
     """The policy's knobs, under the names `labkit serve` gives them; `slots` is --slots' default."""
-    parser.add_argument("--policy", choices=POLICIES, default="fair", help=POLICIES_HELP)
+    parser.add_argument("--policy", choices=POLICIES, default="continuous", help=POLICIES_HELP)
     slots_help = f"default {slots}" if slots else "no default: without it, nothing is predicted"
     parser.add_argument("--slots", type=whole_number(1), default=slots, help=f"requests that may run at once ({slots_help})")
     parser.add_argument("--blocks", type=whole_number(1), default=None, help="KV blocks in the pool (default: enough "
