@@ -55,6 +55,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_host.py
 	$(PY) benchmarks/bench_multiplier.py
 	$(PY) benchmarks/bench_flood.py
+	$(PY) benchmarks/bench_bodies.py
 	$(PY) benchmarks/bench_servers.py
 
 # After editing a lesson in solutions/: execute the instructor copies, then write the student copies.
