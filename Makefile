@@ -14,7 +14,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: lab teach check test bench notebooks student present vllm clean
+.PHONY: lab teach check test bench notebooks student present vllm guidellm clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -82,6 +82,11 @@ present: $(VENV)/.present
 vllm: .venv-vllm/bin/vllm
 .venv-vllm/bin/vllm:
 	tools/install_vllm.sh .venv-vllm
+
+# guidellm 0.8 (the benchmark vLLM's project ships) in a venv of its own, for tests/test_guidellm.py.
+guidellm: .venv-guidellm/bin/guidellm
+.venv-guidellm/bin/guidellm:
+	python3 -m venv .venv-guidellm && .venv-guidellm/bin/pip install -q "guidellm==0.8.1"
 
 clean:
 	rm -rf $(VENV) build *.egg-info

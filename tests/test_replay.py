@@ -385,6 +385,26 @@ def test_parse_metrics_sums_engines_averages_kv_and_keeps_to_the_model():
 # Failures -------------------------------------------------------------------------------------
 
 
+def test_a_url_ending_in_v1_is_the_servers_address(stand_in):
+    """OpenAI clients take the base URL with /v1 (and a slash): the replay asks for /v1/completions
+    once, not /v1/v1/completions."""
+    for url in (f"{stand_in.url}/v1", f"{stand_in.url}/v1/", f"{stand_in.url}/"):
+        log = replay(lk.Trace.from_lengths([3, 2]), url=url, model=MODEL, progress=False)
+        assert not log.failures and log.num_output_tokens == 5
+
+
+@pytest.mark.parametrize("body, message", [
+    ("<!DOCTYPE html><html><head><title>502 Bad\n Gateway</title></head><body><h1>nginx</h1>" + "x" * 5000,
+     "502 Bad Gateway"),
+    ("<html><body><h1>Service</h1><p>down   for\nmaintenance</p></body></html>", "Service down for maintenance"),
+    ('{"error": {"message": "queue full"}}', "queue full"),  # an API's error: its message, as before
+])
+def test_a_non_api_error_page_is_one_short_line(body, message):
+    from labkit.serve.replay import _error_text
+
+    assert _error_text(body) == message
+
+
 def test_an_error_answer_fails_its_request_and_the_others_finish(stand_in):
     stand_in.behaviour.fail = {13}
     log = replay(lk.Trace.from_lengths([3, 13, 4]), url=stand_in.url, model=MODEL, progress=False)

@@ -600,3 +600,64 @@ def test_a_streamed_request_crosses_four_modules_and_the_engine_calls_none_of_th
     engine_side = {module.rsplit(".", 1)[0] for module in modules["engine"]} - {"labkit.serve"}
     assert engine_side == {"labkit.sched", "labkit.engine"}
     assert modules["engine"] & {"labkit.serve.api", "labkit.serve.guards", "labkit.serve.tokenizer"} == set()
+
+
+# The chat API
+
+CONVERSATION = [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+
+
+def chat(url: str, **body) -> httpx.Response:
+    return httpx.post(f"{url}/v1/chat/completions", json={"model": MODEL, "messages": CONVERSATION, **body}, timeout=30)
+
+
+def test_a_chat_completion_is_the_plain_conversation_s_completion(served):
+    """TinyGPT has no chat template: the conversation is `plain_chat`'s text, tokenized as a text
+    prompt is. The answer is the assistant's message, with the tokens of the same prompt sent to
+    /v1/completions (the control: the same ids through the other API)."""
+    from labkit.serve.tokenizer import plain_chat
+
+    text = plain_chat([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}])
+    assert text == "system: be brief\nuser: hi\nassistant: "
+    answer = chat(served.url, max_tokens=5).json()
+    same = complete(served.url, prompt=text, max_tokens=5).json()["choices"][0]
+    assert answer["object"] == "chat.completion" and answer["id"].startswith("chatcmpl-")
+    assert answer["choices"][0]["message"] == {"role": "assistant", "content": same["text"]}
+    assert answer["choices"][0]["token_ids"] == same["token_ids"] and answer["choices"][0]["finish_reason"] == "length"
+    assert answer["usage"]["prompt_tokens"] == len(text) + 1  # its bytes and the begin-of-sequence id
+
+
+def test_a_streamed_chat_says_the_role_once_then_sends_text_deltas(served):
+    payload = {"model": MODEL, "messages": CONVERSATION, "max_completion_tokens": 3, "stream": True,
+               "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{served.url}/v1/chat/completions", json=payload, timeout=30) as answer:
+        chunks = [json.loads(line[6:]) for line in answer.iter_lines() if line.startswith("data: {")]
+    deltas = [chunk["choices"][0]["delta"] for chunk in chunks if chunk["choices"]]
+    assert all(chunk["object"] == "chat.completion.chunk" for chunk in chunks)
+    assert [sorted(delta) for delta in deltas] == [["content", "role"]] + [["content"]] * 3
+    assert deltas[0]["role"] == "assistant"
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length" and chunks[-1]["usage"]["completion_tokens"] == 3
+    whole = chat(served.url, max_tokens=3).json()["choices"][0]["message"]["content"]
+    assert "".join(delta["content"] for delta in deltas) == whole
+
+
+def test_without_a_limit_a_chat_may_fill_the_models_context(served):
+    answer = chat(served.url).json()
+    assert answer["usage"]["total_tokens"] == TINY.max_seq_len and answer["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("messages, message", [
+    ([], "messages: List should have at least 1 item after validation, not 0 (got [])"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+     "messages.0.content: part 0 is {'image_url': {'url': 'x'}, 'type': 'image_url'}: labkit serve reads text parts "
+     "only ({\"type\": \"text\", \"text\": ...}), not 'image_url'"),
+    ([{"role": "user", "content": 5}], "messages.0.content: must be a string or a list of text parts, not 5"),
+])
+def test_a_chat_the_model_cannot_read_is_a_400(served, messages, message):
+    answer = httpx.post(f"{served.url}/v1/chat/completions", json={"model": MODEL, "messages": messages}, timeout=30)
+    assert answer.status_code == 400 and answer.json()["message"] == message
+
+
+def test_the_model_list_says_when_it_was_created(served):
+    (model,) = httpx.get(f"{served.url}/v1/models").json()["data"]
+    assert isinstance(model["created"], int) and model["created"] <= time.time()

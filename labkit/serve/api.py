@@ -17,7 +17,13 @@
   vLLM's `allowed_token_ids` (a non-empty list of ids: the only ones it may sample, a
   mask on the logits) and `truncate_prompt_tokens` (N >= 1: the prompt's last N tokens
   are kept, as vLLM keeps them).
-- `GET /v1/models`, `GET /health` (503 once the engine's loop has failed or stopped, or
+- `POST /v1/chat/completions`: `messages` (role and text, a string or text parts),
+  `max_completion_tokens` or `max_tokens` (neither: as many as the context leaves), and the
+  fields above but `prompt`; the conversation becomes a prompt through the tokenizer's
+  `chat_prompt_ids` (a checkpoint's chat template, else plain text); answered as the chat API
+  answers (`ChatCompletion`: a message, or deltas whose first names the assistant's role).
+- `GET /v1/models` (each model with its `created` time and `max_model_len`), `GET /health`
+  (503 once the engine's loop has failed or stopped, or
   while it seems stuck in a step: `OnlineEngine.stuck`), and
   `GET /metrics` (Prometheus, `labkit.serve.prometheus`).
 
@@ -99,14 +105,12 @@ def checked_prompt(prompt):
     return prompt
 
 
-class CompletionRequest(BaseModel):
-    """The fields labkit reads, each of its own JSON type; the sampling fields (`GREEDY_ONLY`)
-    and others that OpenAI clients send are kept as extras."""
+class GenerationRequest(BaseModel):
+    """The fields labkit reads in both APIs, each of its own JSON type; the sampling fields
+    (`GREEDY_ONLY`) and others that OpenAI clients send are kept as extras."""
 
     model_config = ConfigDict(extra="allow", strict=True)
     model: str
-    prompt: list[int] | str
-    max_tokens: int = Field(16, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
@@ -117,10 +121,50 @@ class CompletionRequest(BaseModel):
     truncate_prompt_tokens: int | None = Field(None, ge=1)  # vLLM's: keep the prompt's last N tokens
     seed: int | None = None  # accepted and ignored: greedy decoding is deterministic
 
+
+class CompletionRequest(GenerationRequest):
+    prompt: list[int] | str
+    max_tokens: int = Field(16, ge=1)
+
     @field_validator("prompt", mode="before")
     @classmethod
     def text_or_token_ids(cls, prompt):
         return checked_prompt(prompt)
+
+
+class ChatMessage(BaseModel):
+    """A message of a conversation: its role and its text (a string, or a list of text parts,
+    joined; a part of any other type is refused by name)."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+    role: str
+    content: str = ""
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def text_of(cls, content):
+        if content is None or isinstance(content, str):
+            return content or ""
+        if not isinstance(content, list):
+            raise ValueError(f"must be a string or a list of text parts, not {shown(content)}")
+        for position, part in enumerate(content):
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                kind = part.get("type") if isinstance(part, dict) else None
+                raise ValueError(f"part {position} is {shown(part)}: labkit serve reads text parts only "
+                                 f"({{\"type\": \"text\", \"text\": ...}}){f', not {kind!r}' if kind else ''}")
+        return "".join(part["text"] for part in content)
+
+    def as_dict(self) -> dict:
+        return {"role": self.role, "content": self.content}
+
+
+class ChatRequest(GenerationRequest):
+    """A chat completion's request: the conversation, and at most `max_completion_tokens` (or
+    OpenAI's older `max_tokens`) tokens; without either, as many as the model's context leaves."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
 
 
 def _is_number(value, target: float) -> bool:
@@ -211,6 +255,7 @@ def make_app(online: OnlineEngine, model_name: str, tokenizer=byte_tokenizer, li
         await asyncio.to_thread(online.stop)  # `guards.GracefulServer` has stopped it already, and said so
 
     app = FastAPI(title="labkit serve", lifespan=lifespan)
+    started = int(time.time())  # the model's `created`: when this server began serving it
     app.add_middleware(RequestGuard, limits=limits)
 
     @app.exception_handler(RequestValidationError)
@@ -250,8 +295,8 @@ def make_app(online: OnlineEngine, model_name: str, tokenizer=byte_tokenizer, li
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "labkit",
-                                            "max_model_len": online.engine.config.max_seq_len}]}
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": started,
+                                            "owned_by": "labkit", "max_model_len": online.engine.config.max_seq_len}]}
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -259,27 +304,48 @@ def make_app(online: OnlineEngine, model_name: str, tokenizer=byte_tokenizer, li
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
+        if refused := refusal(body):
+            return refused
+        prompt = body.prompt
+        if isinstance(prompt, str):  # in a worker thread: the event loop streams on meanwhile
+            prompt = await asyncio.to_thread(tokenizer.prompt_ids, prompt)
+        return await generate(body, request, prompt, body.max_tokens, Completion)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatRequest, request: Request):
+        if refused := refusal(body):
+            return refused
+        messages = [message.as_dict() for message in body.messages]
+        prompt = await asyncio.to_thread(tokenizer.chat_prompt_ids, messages)
+        return await generate(body, request, prompt, body.max_completion_tokens or body.max_tokens, ChatCompletion)
+
+    def refusal(body: GenerationRequest) -> JSONResponse | None:
+        """The error for a request for another model, or with a field labkit cannot honour."""
         if body.model != model_name:
             return error(f"model = {shown(body.model)}: this server serves {model_name!r}", 404, param="model")
         if unsupported := unsupported_field(body):
             field, message = unsupported
             return error(message, param=field)
-        prompt = body.prompt
-        if isinstance(prompt, str):  # in a worker thread: the event loop streams on meanwhile
-            prompt = await asyncio.to_thread(tokenizer.prompt_ids, prompt)
+        return None
+
+    async def generate(body: GenerationRequest, request: Request, prompt: list[int], max_tokens: int | None,
+                       kind: type[Completion]):
+        """Submit the request and answer it, streamed or whole; `max_tokens` None: as many as the
+        model's context leaves."""
         if body.truncate_prompt_tokens is not None:
             prompt = prompt[-body.truncate_prompt_tokens :]  # its last N tokens, as vLLM keeps them
-        if body.min_tokens > body.max_tokens:
-            return error(f"min_tokens = {body.min_tokens} exceeds max_tokens = {body.max_tokens}", param="min_tokens")
+        max_tokens = max_tokens or max(1, online.engine.config.max_seq_len - len(prompt))
+        if body.min_tokens > max_tokens:
+            return error(f"min_tokens = {body.min_tokens} exceeds max_tokens = {max_tokens}", param="min_tokens")
         try:
-            request_id, stream = online.submit(prompt, body.max_tokens, body.priority, ignore_eos=body.ignore_eos,
+            request_id, stream = online.submit(prompt, max_tokens, body.priority, ignore_eos=body.ignore_eos,
                                                min_tokens=body.min_tokens, client=client_of(body, request),
                                                allowed_token_ids=body.allowed_token_ids or ())
         except Unavailable as problem:
             return error(str(problem), 503)
         except ValueError as problem:
             return error(str(problem))
-        completion = Completion(model_name, len(prompt), tokenizer, request_id, stream)
+        completion = kind(model_name, len(prompt), tokenizer, request_id, stream)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         if body.stream:
             return StreamingResponse(completion.events(online, include_usage), media_type="text/event-stream")
@@ -289,10 +355,13 @@ def make_app(online: OnlineEngine, model_name: str, tokenizer=byte_tokenizer, li
 
 
 class Completion:
-    """One request's tokens, from the engine's loop to the client's stream or answer."""
+    """One request's tokens, from the engine's loop to the client's stream or answer, as the
+    completions API gives them."""
+
+    ID_PREFIX, OBJECT, CHUNK_OBJECT = "cmpl", "text_completion", "text_completion"
 
     def __init__(self, model_name: str, num_prompt_tokens: int, tokenizer, request_id: int, stream: Stream):
-        self.id = f"cmpl-{uuid.uuid4().hex}"
+        self.id = f"{self.ID_PREFIX}-{uuid.uuid4().hex}"
         self.tokenizer = tokenizer
         self.created = int(time.time())
         self.model_name, self.num_prompt_tokens = model_name, num_prompt_tokens
@@ -313,11 +382,11 @@ class Completion:
         try:
             text = TextStream(self.tokenizer)
             async for token in self.next_tokens():
-                yield self._event(self._choice([token], text.add(token), finish_reason=None))
+                yield self._event(self._chunk_choice([token], text.add(token), finish_reason=None))
             if self.finish_reason in INTERRUPTED:
                 yield f"data: {json.dumps({'error': error_body(self._interruption(), 503)})}\n\n"
             else:
-                yield self._event(self._choice([], text.rest(), finish_reason=self.finish_reason))
+                yield self._event(self._chunk_choice([], text.rest(), finish_reason=self.finish_reason))
                 if include_usage:
                     yield self._event({"choices": [], "usage": self._usage()})
             yield "data: [DONE]\n\n"
@@ -342,7 +411,7 @@ class Completion:
         if self.finish_reason in INTERRUPTED:
             return error(self._interruption(), 503)
         choice = self._choice(self.tokens, self.tokenizer.decode(self.tokens), self.finish_reason)
-        return {**self._head(), "choices": [choice], "usage": self._usage()}
+        return {**self._head(self.OBJECT), "choices": [choice], "usage": self._usage()}
 
     async def _gather(self) -> None:
         async for _ in self.next_tokens():
@@ -351,19 +420,40 @@ class Completion:
     def _interruption(self) -> str:
         return f"{INTERRUPTED[self.finish_reason]}: the request ended after {len(self.tokens)} tokens"
 
-    def _head(self) -> dict:
-        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model_name}
+    def _head(self, kind: str) -> dict:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model_name}
 
     def _choice(self, tokens: list[int], text: str, finish_reason: str | None) -> dict:
         return {"index": 0, "text": text, "token_ids": tokens, "finish_reason": finish_reason}
 
+    def _chunk_choice(self, tokens: list[int], text: str, finish_reason: str | None) -> dict:
+        return self._choice(tokens, text, finish_reason)
+
     def _event(self, payload: dict) -> str:
         if "usage" not in payload:
-            payload = {**self._head(), "choices": [payload]}
+            payload = {**self._head(self.CHUNK_OBJECT), "choices": [payload]}
         else:
-            payload = {**self._head(), **payload}
+            payload = {**self._head(self.CHUNK_OBJECT), **payload}
         return f"data: {json.dumps(payload)}\n\n"
 
     def _usage(self) -> dict:
         return {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": len(self.tokens),
                 "total_tokens": self.num_prompt_tokens + len(self.tokens)}
+
+
+class ChatCompletion(Completion):
+    """The same, as the chat API gives it: the assistant's message whole, or its text in deltas,
+    the first saying whose turn it is."""
+
+    ID_PREFIX, OBJECT, CHUNK_OBJECT = "chatcmpl", "chat.completion", "chat.completion.chunk"
+
+    def _choice(self, tokens: list[int], text: str, finish_reason: str | None) -> dict:
+        return {"index": 0, "message": {"role": "assistant", "content": text}, "token_ids": tokens,
+                "finish_reason": finish_reason}
+
+    role_sent = False  # whether a chunk has said whose message it is
+
+    def _chunk_choice(self, tokens: list[int], text: str, finish_reason: str | None) -> dict:
+        delta = {"content": text} if self.role_sent else {"role": "assistant", "content": text}
+        self.role_sent = True
+        return {"index": 0, "delta": delta, "token_ids": tokens, "finish_reason": finish_reason}

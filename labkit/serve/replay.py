@@ -72,6 +72,7 @@ import contextlib
 import functools
 import json
 import os
+import re
 import sys
 import textwrap
 import threading
@@ -352,7 +353,7 @@ def replay(
     prompts = ([p.tolist() for p in trace.prompt_tokens] if trace.prompt_tokens else
                [prompt_ids(int(i), int(n), seed, vocab_size) for i, n in zip(trace.ids, trace.prompt_lengths)])
     draw = functools.partial(prompt_ids, seed=seed, vocab_size=vocab_size)
-    run = _Replay(trace, prompts, draw, bos_token_id, texts, url.rstrip("/"), model, max_concurrency,
+    run = _Replay(trace, prompts, draw, bos_token_id, texts, base_url(url), model, max_concurrency,
                   httpx.Timeout(connect_timeout, read=read_timeout, pool=None), scrape_interval,
                   {"Authorization": f"Bearer {api_key}"} if api_key else {})
     with tqdm(total=int(trace.output_lengths.sum()), unit="tok", disable=not progress, leave=False) as bar:
@@ -380,11 +381,18 @@ def served_max_model_len(url: str, model: str, api_key: str | None = None, timeo
     (vLLM's and labkit's `max_model_len`), or None when it reports none or cannot be asked."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        listed = httpx.get(f"{url.rstrip('/')}/v1/models", headers=headers, timeout=timeout).json()["data"]
+        listed = httpx.get(f"{base_url(url)}/v1/models", headers=headers, timeout=timeout).json()["data"]
         length = next(entry.get("max_model_len") for entry in listed if entry.get("id") == model)
     except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError, StopIteration):
         return None
     return length if type(length) is int and length > 0 else None
+
+
+def base_url(url: str) -> str:
+    """The server's address without a trailing slash or /v1 (as OpenAI clients take it), to
+    which the replay adds /v1/completions and the others."""
+    url = url.rstrip("/")
+    return url.removesuffix("/v1") if url.endswith("/v1") else url
 
 
 def _check_arguments(trace, model, url, max_concurrency, requests, seed, vocab_size, **positive) -> None:
@@ -668,7 +676,8 @@ def _listed(names: list[str]) -> str:
 
 def _error_text(body: str) -> str:
     """The message of an error body, {"message": ...}, {"error": {"message": ...}}, {"error": ...} or
-    {"detail": ...} (a string), else the body itself."""
+    {"detail": ...} (a string); else the body itself, an HTML page's title (or its text, its tags
+    dropped), on one line and at most 200 characters."""
     try:
         payload = json.loads(body)
     except ValueError:
@@ -679,7 +688,9 @@ def _error_text(body: str) -> str:
         message = inner if isinstance(inner, str) else fields.get("message") or fields.get("detail")
         if isinstance(message, str) and message:
             return message
-    return body.strip()[:200] or "no message"
+    title = re.search(r"<title[^>]*>(.*?)</title>", body, re.IGNORECASE | re.DOTALL)
+    text = title.group(1) if title else re.sub(r"<[^>]+>", " ", body)
+    return " ".join(text.split())[:200] or "no message"
 
 
 def _run_in_worker_thread(run: _Replay, bar: tqdm) -> None:

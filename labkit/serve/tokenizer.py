@@ -10,7 +10,9 @@ either: anything with `encode(text)` and `decode(token_ids)`.
 A text prompt becomes `prompt_ids(text)`, the ids the model's sequence starts with, as the
 tokenizer makes them with its special tokens, as vLLM and `transformers serve` tokenize: a
 checkpoint's tokenizer adds a begin-of-sequence token only if it is configured to; this
-module's always puts id 0 first. Token-id prompts are used as given.
+module's always puts id 0 first. Token-id prompts are used as given. A conversation (the chat
+API's messages) becomes `chat_prompt_ids(messages)`: through a checkpoint's chat template,
+or, for a model without one (TinyGPT), as plain text, each message after its role.
 
 Invariants: decode(encode(text)) == text for ASCII text, and encode never yields 0; neither
 tokenizer's `encode` adds a begin-of-sequence token (`prompt_ids` does what the tokenizer says); for
@@ -32,6 +34,17 @@ def encode(text: str) -> list[int]:
 def prompt_ids(text: str) -> list[int]:
     """The sequence a text prompt starts: the begin-of-sequence token 0, then its bytes."""
     return [BOS_ID, *encode(text)]
+
+
+def plain_chat(messages: list[dict]) -> str:
+    """A conversation as plain text, for a model with no chat template: each message on a line
+    of its own after its role, then the assistant's turn to answer."""
+    return "".join(f"{message['role']}: {message['content']}\n" for message in messages) + "assistant: "
+
+
+def chat_prompt_ids(messages: list[dict]) -> list[int]:
+    """The sequence a conversation starts (TinyGPT has no chat template: `plain_chat`)."""
+    return prompt_ids(plain_chat(messages))
 
 
 def decode_token(token_id: int) -> str:
@@ -57,6 +70,14 @@ class ModelTokenizer:
         """The ids the tokenizer makes of a prompt, its special tokens included: a
         begin-of-sequence token only if it is configured to add one."""
         return self.hf_tokenizer.encode(text)
+
+    def chat_prompt_ids(self, messages: list[dict]) -> list[int]:
+        """The ids of a conversation, through the checkpoint's chat template with the assistant's
+        turn opened, as vLLM makes them; `plain_chat` through `prompt_ids` if it has none."""
+        if not getattr(self.hf_tokenizer, "chat_template", None):
+            return self.prompt_ids(plain_chat(messages))
+        return list(self.hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                          return_dict=True)["input_ids"])
 
     def decode(self, token_ids: list[int]) -> str:
         return self.hf_tokenizer.decode(token_ids, skip_special_tokens=True)
