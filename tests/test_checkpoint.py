@@ -203,6 +203,39 @@ def test_weights_that_do_not_fit_the_config_are_refused(directories, tmp_path):
         load_checkpoint(directory)
 
 
+def test_a_truncated_weights_file_is_one_line_naming_it(directories, tmp_path):
+    copy = tmp_path / "truncated"
+    shutil.copytree(directories["linear"], copy)
+    weights = copy / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(ValueError) as refused:
+        load_checkpoint(copy)
+    message = str(refused.value)
+    assert message.startswith(f"{weights}: not a whole safetensors file (") and "\n" not in message
+
+
+@pytest.mark.parametrize("tensor, message", [
+    ("model.layers.1.self_attn.k_proj.weight", "the weights have no tensor 'model.layers.1.self_attn.k_proj.weight', "
+                                                "which config.json's model needs"),
+    ("model.layers.1.self_attn.q_proj.weight", 'the weights do not fit config.json: Error(s) in loading state_dict for '
+                                                'TinyGPT: Missing key(s) in state_dict: '
+                                                '"model.layers.1.self_attn.qkv_proj.weight". Unexpected key(s) in '
+                                                'state_dict: "model.layers.1.self_attn.k_proj.weight", '
+                                                '"model.layers.1.self_attn.v_proj.weight".'),  # k and v, unstacked
+])
+def test_a_missing_tensor_is_one_line_naming_it(directories, tmp_path, tensor, message):
+    from safetensors.torch import load_file, save_file
+
+    copy = tmp_path / "missing"
+    shutil.copytree(directories["linear"], copy)
+    state = load_file(copy / "model.safetensors")
+    del state[tensor]
+    save_file(state, copy / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError) as refused:
+        load_checkpoint(copy)
+    assert str(refused.value) == f"{copy}: {message}"
+
+
 def test_a_sharded_directory_loads_the_same_weights(directories, tmp_path):
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(directories["linear"], local_files_only=True)
     hf_model.save_pretrained(tmp_path, max_shard_size="50KB")

@@ -61,8 +61,11 @@ def load_checkpoint(directory, max_seq_len: int | None = None, attention: str = 
     model = TinyGPT(config)
     try:
         model.load_hf_state(_read_weights(directory))
-    except RuntimeError as problem:
-        raise ValueError(f"{directory}: the weights do not fit {CONFIG_FILE}: {problem}") from None
+    except KeyError as missing:  # a tensor the model needs that no file holds
+        raise ValueError(f"{directory}: the weights have no tensor {missing.args[0]!r}, which {CONFIG_FILE}'s "
+                         "model needs") from None
+    except RuntimeError as problem:  # torch's message, on one line
+        raise ValueError(f"{directory}: the weights do not fit {CONFIG_FILE}: {' '.join(str(problem).split())}") from None
     return Checkpoint(directory, model.eval(), tokenizer, _eos_token_ids(directory, raw_config, tokenizer, config))
 
 
@@ -135,7 +138,11 @@ def _read_weights(directory: Path) -> dict:
     for name in files:
         if not (directory / name).is_file():
             raise ValueError(f"{directory}: no {name}, which {INDEX_FILE} lists")
-        state.update(load_file(directory / name))
+        try:
+            state.update(load_file(directory / name))
+        except Exception as problem:  # safetensors' own error class (truncated, not safetensors at all, ...)
+            reason = str(problem).splitlines()[0] if str(problem) else type(problem).__name__
+            raise ValueError(f"{directory / name}: not a whole safetensors file ({reason})") from None
     return state
 
 
