@@ -24,7 +24,7 @@ BUSY_LOOPS = pytest.StashKey()
 INTEGRATION = {  # test modules that start servers, browsers or other processes, or load transformers
     "test_browser.py", "test_busy_core.py", "test_bench_peers.py", "test_checkpoint.py", "test_hf_oracle.py",
     "test_html_export.py", "test_make_student.py", "test_peers_module.py", "test_replay_transformers_serve.py",
-    "test_engine_process.py", "test_serve.py", "test_serve_checkpoint.py", "test_serve_hardening.py", "test_vllm.py",
+    "test_engine_process.py", "test_guidellm.py", "test_serve.py", "test_serve_checkpoint.py", "test_serve_hardening.py", "test_vllm.py",
 }
 LEAVE_OUT_INTEGRATION = "not integration"  # `make check`'s -m
 
