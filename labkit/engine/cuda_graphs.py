@@ -22,7 +22,7 @@ with every prompt, and there are few of them.
 the tests can prove that bucketing, padding and the static buffers give exactly the
 plain path's logits; the `gpu` tests prove the same for real graphs.
 
-Invariant: for every pure decode step, `DecodeGraphs(batch)` equals `model(batch, cache)`.
+Invariant: for every pure decode step, `DecodeGraphs(inputs)` equals `model(inputs, cache)`.
 """
 
 from __future__ import annotations
@@ -90,26 +90,26 @@ class DecodeGraphs:
         self.buckets: dict[tuple[int, int], _Bucket] = {}
 
     @staticmethod
-    def can_run(batch: ModelInputs) -> bool:
+    def can_run(inputs: ModelInputs) -> bool:
         """Whether the step is a pure decode step: one new token per request."""
-        return batch.input_ids.shape[0] == batch.num_requests
+        return inputs.input_ids.shape[0] == inputs.num_requests
 
-    def __call__(self, batch: ModelInputs) -> torch.Tensor:
-        """(R, vocab) logits of a pure decode step, as `model(batch, cache)` gives them."""
-        assert self.can_run(batch), "only pure decode steps replay; run prefills eagerly"
-        bucket = self._bucket(batch)
-        self._load(bucket, batch)
+    def __call__(self, inputs: ModelInputs) -> torch.Tensor:
+        """(R, vocab) logits of a pure decode step, as `model(inputs, cache)` gives them."""
+        assert self.can_run(inputs), "only pure decode steps replay; run prefills eagerly"
+        bucket = self._bucket(inputs)
+        self._load(bucket, inputs)
         if bucket.replay is None:
             bucket.replay = self.capture(lambda: self._step(bucket), self.pool)
-        return bucket.replay()[: batch.num_requests]
+        return bucket.replay()[: inputs.num_requests]
 
-    def _bucket(self, batch: ModelInputs) -> _Bucket:
+    def _bucket(self, inputs: ModelInputs) -> _Bucket:
         block_size = self.cache.block_size
-        batch_size = batch.num_requests
-        num_blocks = next_power_of_two(num_blocks_for(max(batch.context_lens), block_size))
+        batch_size = inputs.num_requests
+        num_blocks = next_power_of_two(num_blocks_for(max(inputs.context_lens), block_size))
         key = (batch_size, num_blocks * block_size)
         if key not in self.buckets:
-            device = batch.input_ids.device
+            device = inputs.input_ids.device
 
             def zeros(*shape):
                 return torch.zeros(shape, dtype=torch.long, device=device)
@@ -119,15 +119,15 @@ class DecodeGraphs:
                                         torch.arange(batch_size, device=device))
         return self.buckets[key]
 
-    def _load(self, bucket: _Bucket, batch: ModelInputs) -> None:
+    def _load(self, bucket: _Bucket, inputs: ModelInputs) -> None:
         """Copy the step into the bucket's buffers (one row each: the bucket is the step's size);
         table entries past a request's blocks point at the padding block."""
-        num_blocks = min(batch.block_tables.shape[1], bucket.block_tables.shape[1])  # a table may reserve more
-        bucket.input_ids.copy_(batch.input_ids)
-        bucket.positions.copy_(batch.positions)
-        bucket.write_entries.copy_(batch.write_entries)
-        bucket.block_tables.fill_(self.cache.padding_block)[:, :num_blocks].copy_(batch.block_tables[:, :num_blocks])
-        bucket.context_lens.copy_(torch.tensor(batch.context_lens))
+        num_blocks = min(inputs.block_tables.shape[1], bucket.block_tables.shape[1])  # a table may reserve more
+        bucket.input_ids.copy_(inputs.input_ids)
+        bucket.positions.copy_(inputs.positions)
+        bucket.write_entries.copy_(inputs.write_entries)
+        bucket.block_tables.fill_(self.cache.padding_block)[:, :num_blocks].copy_(inputs.block_tables[:, :num_blocks])
+        bucket.context_lens.copy_(torch.tensor(inputs.context_lens))
 
     def _step(self, bucket: _Bucket) -> torch.Tensor:
         """The decode step on the bucket's buffers: tensors only, so a graph can record it."""

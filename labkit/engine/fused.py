@@ -92,7 +92,7 @@ class FusedLayer:
 
 
 class FusedTinyGPT:
-    """A TinyGPT's step, called as the TinyGPT is: (batch, cache) -> (R, vocab) logits.
+    """A TinyGPT's step, called as the TinyGPT is: (inputs, cache) -> (R, vocab) logits.
 
     chunk_bytes: the most bytes of keys and values one decode chunk gathers on a CPU (None: groups
     are not cut; nor are they on other devices, where a gather does not wait on a core's cache).
@@ -110,17 +110,17 @@ class FusedTinyGPT:
         self.max_chunk_entries = chunk_bytes // entry_bytes if chunk_bytes and on_cpu else None
 
     @torch.no_grad()
-    def __call__(self, batch: ModelInputs, cache: PagedKVCache) -> torch.Tensor:
+    def __call__(self, inputs: ModelInputs, cache: PagedKVCache) -> torch.Tensor:
         """One step: write the new tokens' K/V; return (num_requests, vocab) logits of each last new token."""
-        return self.logits(batch.input_ids, batch.positions, batch.write_entries, batch.last_rows, cache,
-                           self.plan(batch, cache.block_size))
+        return self.logits(inputs.input_ids, inputs.positions, inputs.write_entries, inputs.last_rows, cache,
+                           self.plan(inputs, cache.block_size))
 
-    def plan(self, batch: ModelInputs, block_size: int):
+    def plan(self, inputs: ModelInputs, block_size: int):
         """The step's attention: by whole blocks in chunks, or request by request if the config asks."""
         if self.config.attention == "per_request":
-            return plan_attention("per_request", batch.num_new, batch.context_lens, batch.block_tables, block_size,
+            return plan_attention("per_request", inputs.num_new, inputs.context_lens, inputs.block_tables, block_size,
                                   self.scratch)
-        return plan_block_attention(batch.num_new, batch.context_lens, batch.block_tables, block_size, self.scratch,
+        return plan_block_attention(inputs.num_new, inputs.context_lens, inputs.block_tables, block_size, self.scratch,
                                     self.max_chunk_entries)
 
     @torch.no_grad()

@@ -249,11 +249,11 @@ class TinyGPT(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     @torch.no_grad()
-    def forward(self, batch: ModelInputs, cache: PagedKVCache) -> torch.Tensor:
+    def forward(self, inputs: ModelInputs, cache: PagedKVCache) -> torch.Tensor:
         """One step: write the new tokens' K/V; return (num_requests, vocab) logits of each last new token."""
-        attention = plan_attention(self.config.attention, batch.num_new, batch.context_lens, batch.block_tables,
+        attention = plan_attention(self.config.attention, inputs.num_new, inputs.context_lens, inputs.block_tables,
                                    cache.block_size, self.gather_scratch)
-        return self.logits(batch.input_ids, batch.positions, batch.write_entries, batch.last_rows, cache, attention)
+        return self.logits(inputs.input_ids, inputs.positions, inputs.write_entries, inputs.last_rows, cache, attention)
 
     @torch.no_grad()
     def logits(self, input_ids, positions, write_entries, last_rows, cache: PagedKVCache, attention) -> torch.Tensor:
