@@ -341,6 +341,44 @@ def test_a_repeated_log_message_is_let_through_once_a_minute_with_a_count():
     assert quiet.filter(later) and later.getMessage() == "refused: 7 open [2999 more like it in the last 61 s]"
 
 
+CLOSED_LISTENER_SCRIPT = """
+import asyncio, contextlib, resource, socket, sys
+from labkit.serve.guards import quiet_log
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+
+async def main():
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(asyncio.Protocol, "127.0.0.1", 0)
+    hogs = []
+    with contextlib.suppress(OSError):
+        while True:
+            hogs.append(socket.socket())
+    hogs.pop().close()  # one descriptor left: the client takes it, so the server's accept() fails
+    client = socket.socket()
+    client.setblocking(False)
+    client.connect_ex(server.sockets[0].getsockname())
+    await asyncio.sleep(0.3)  # asyncio stops listening and retries in 1 s
+    server.close()  # the shutdown, within that second
+    await asyncio.sleep(1.5)
+
+with quiet_log() if sys.argv[1] == "quiet" else contextlib.nullcontext():
+    asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("log", ["quiet", "plain"])
+def test_a_shutdown_while_accept_waits_for_descriptors_logs_nothing(log):
+    """asyncio logs the accept() that failed for want of descriptors (a real failure, kept), then
+    a ValueError when its retry finds the socket closed (nothing failed): the server's log drops
+    the second. The control, without the server's filters, shows it."""
+    finished = subprocess.run([sys.executable, "-c", CLOSED_LISTENER_SCRIPT, log], capture_output=True,
+                              text=True, timeout=30)
+    assert finished.returncode == 0, finished.stderr
+    assert "socket.accept() out of system resource" in finished.stderr  # the failure that is real
+    stale_retry = "ValueError: Invalid file descriptor: -1"
+    assert (stale_retry in finished.stderr) == (log == "plain"), finished.stderr
+
+
 def test_the_limit_flags_make_the_limits():
     from labkit.serve.server import limits_from
 

@@ -25,7 +25,9 @@ Invariants:
 - every 503 carries `Retry-After` (RETRY_AFTER_S seconds);
 - a message the server logs again and again (a refused connection, an accept that failed
   for want of file descriptors, a malformed request, an application error) is logged once
-  a minute at most, saying how many like it were dropped;
+  a minute at most, saying how many like it were dropped; asyncio's error for an accept()
+  retried after the listening socket closed (a shutdown within a second of running out of
+  file descriptors) is not logged, since nothing failed;
 - on shutdown (SIGINT, SIGTERM) no new request is taken, requests in flight get
   `shutdown_grace` seconds to finish, then the engine aborts the rest: a stream ends with
   an error chunk and `data: [DONE]`, a whole completion gets a 503, and the log line counts
@@ -279,10 +281,25 @@ class QuietRepeats(logging.Filter):
         return True
 
 
+class ClosedListenerRetries(logging.Filter):
+    """Drops asyncio's error for a retried accept() that finds the listening socket closed.
+
+    When accept() fails for want of file descriptors, asyncio stops listening and tries again
+    a second later (`ACCEPT_RETRY_DELAY`). A shutdown within that second closes the socket, and
+    the retry then logs "ValueError: Invalid file descriptor: -1": nothing is lost, since the
+    server has stopped listening on purpose."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        retried_accept = str(record.msg).startswith("Exception in callback BaseSelectorEventLoop._start_serving")
+        return not (retried_accept and record.exc_info and record.exc_info[0] is ValueError)
+
+
 @contextmanager
-def quiet_repeats(names: tuple[str, ...] = QUIETED_LOGGERS) -> Iterator[QuietRepeats]:
-    """A `QuietRepeats` on these loggers while the block runs."""
+def quiet_log(names: tuple[str, ...] = QUIETED_LOGGERS) -> Iterator[QuietRepeats]:
+    """A `QuietRepeats` on these loggers, and `ClosedListenerRetries` on asyncio's, while the block runs."""
     quiet, loggers = QuietRepeats(), [logging.getLogger(name) for name in names]
+    closed_listener, asyncio_log = ClosedListenerRetries(), logging.getLogger("asyncio")
+    asyncio_log.addFilter(closed_listener)
     for logger in loggers:
         logger.addFilter(quiet)
     try:
@@ -290,6 +307,7 @@ def quiet_repeats(names: tuple[str, ...] = QUIETED_LOGGERS) -> Iterator[QuietRep
     finally:
         for logger in loggers:
             logger.removeFilter(quiet)
+        asyncio_log.removeFilter(closed_listener)
 
 
 # The server: uvicorn's, with the guards and labkit's shutdown
@@ -304,7 +322,7 @@ class GracefulServer(uvicorn.Server):
         self.online, self.grace = online, grace
 
     async def serve(self, sockets=None) -> None:
-        with quiet_repeats():
+        with quiet_log():
             await super().serve(sockets)
 
     async def shutdown(self, sockets=None) -> None:
