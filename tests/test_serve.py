@@ -291,14 +291,14 @@ def test_a_server_killed_mid_replay_leaves_failures_not_a_hang(tmp_path):
 def test_the_replay_command_prints_prediction_beside_measurement(capsys):
     from labkit.cli import main
 
-    server = Served(lk.Continuous(num_slots=4), config=ModelConfig())  # labkit serve's default model and policy
+    server = Served(lk.Fair(num_slots=4), config=ModelConfig())  # labkit serve's default model and policy
     try:
         assert main(["replay", "exponential", "--url", server.url, "--model", MODEL, "--requests", "6",
                      "--rate", "50", "--slots", "4", "--no-progress"]) == 0
     finally:
         server.stop()
     out = capsys.readouterr().out
-    assert "predicted with Continuous(num_slots=4), CostModel fit on" in out  # the server's default policy
+    assert "predicted with Fair(num_slots=4), CostModel fit on" in out  # the server's default policy
     header = next(line for line in out.splitlines() if "predicted" in line and "measured" in line)
     assert header.split() == ["predicted", "measured"]
     assert "failed: 0 of 6 requests" in out
@@ -399,7 +399,7 @@ def serve_args(*argv: str):
      lk.ShortestPredictedFirst(num_slots=3, max_tokens_per_step=32, noise=0.5, seed=7)),
     (["--policy", "spf", "--noise", "0"], lk.ShortestPredictedFirst(num_slots=8)),
     (["--policy", "continuous"], lk.Continuous(num_slots=8)),
-    ([], lk.Continuous(num_slots=8)),  # the default
+    ([], lk.Fair(num_slots=8)),  # the default
 ], ids=lambda value: " ".join(value) if isinstance(value, list) else None)
 def test_policy_from_builds_the_policy_with_its_knobs(argv, expected):
     from labkit.serve.server import policy_from

@@ -13,9 +13,10 @@ The knobs carry the policies' names; each maps to a `vllm serve` flag (README):
 (--enable-chunked-prefill), --policy priority (--scheduling-policy priority: each
 request's `priority` field orders the queue). --policy spf admits the shortest predicted
 output first, its predictor off by a factor e^(--noise * z); vLLM has no such policy.
---policy fair shares the engine between clients (a request's `user` field, else its
-address) by their virtual token counters (`labkit.Fair`); with one client it decides
-exactly as --policy continuous, first come, first served.
+--policy fair, the default, shares the engine between clients (a request's `user` field,
+else its address) by their virtual token counters (`labkit.Fair`), so that one client's
+flood does not hold back the rest; with one client it decides exactly as --policy
+continuous, first come, first served (vLLM's default, --scheduling-policy fcfs).
 uvicorn serves the app behind `labkit.serve.guards`, so that a class can share one server:
 --api-key (as vLLM's), --max-waiting, --max-waiting-per-client, --max-body-bytes,
 --max-connections, --max-connections-per-client and --read-timeout (`labkit.serve.limits`). On SIGINT or SIGTERM it stops taking requests, lets the open ones
@@ -40,10 +41,11 @@ from labkit.serve.limits import Limits
 ITERATION_LEVEL = {"continuous": lk.Continuous, "priority": lk.Priority, "spf": lk.ShortestPredictedFirst,
                    "fair": lk.Fair}
 POLICIES = (*ITERATION_LEVEL, "static", "dynamic")
-POLICIES_HELP = ("the scheduling policy (default continuous): continuous (first come, first served), priority "
+POLICIES_HELP = ("the scheduling policy (default fair): fair (the client served the fewest weighted tokens first, "
+                 "first come, first served within a client; a client is a request's user field, else its address; "
+                 "with one client the same as continuous), continuous (first come, first served), priority "
                  "(the lowest value of a request's priority field first, preempting higher values), spf "
-                 "(shortest predicted output first), fair (the client served the fewest weighted tokens first; a "
-                 "client is a request's user field, else its address), static (whole batches), dynamic (batches "
+                 "(shortest predicted output first), static (whole batches), dynamic (batches "
                  "that wait up to --timeout to fill)")
 DEFAULT_MODEL_NAME = "tinygpt"
 
@@ -122,7 +124,7 @@ def model_name_from(args: argparse.Namespace) -> str:
 
 def add_policy_knobs(parser, slots: int | None) -> None:
     """The policy's knobs, under the names `labkit serve` gives them; `slots` is --slots' default."""
-    parser.add_argument("--policy", choices=POLICIES, default="continuous", help=POLICIES_HELP)
+    parser.add_argument("--policy", choices=POLICIES, default="fair", help=POLICIES_HELP)
     slots_help = f"default {slots}" if slots else "no default: without it, nothing is predicted"
     parser.add_argument("--slots", type=whole_number(1), default=slots, help=f"requests that may run at once ({slots_help})")
     parser.add_argument("--blocks", type=whole_number(1), default=None, help="KV blocks in the pool (default: enough "
