@@ -114,3 +114,21 @@ def test_a_stuck_step_is_seen_and_stop_kills_the_process(monkeypatch):
     silent, usual, num_aborted, items = asyncio.run(stuck_then_stopped())
     assert silent > 0.5 and usual == 0.0  # no step has ended: none to compare with
     assert num_aborted == 1 and items == ["abort"] and not online.core.is_alive()
+
+
+def test_health_says_the_engine_is_starting_until_its_process_has_reported():
+    """/health answers 200 only once the engine's process runs its loop (it imports torch first,
+    for a second or more), so a client that waits for health does not time a server still starting."""
+    from fastapi.testclient import TestClient
+
+    from labkit.serve.server import build_server
+
+    app, online = build_server(ENGINE, lk.Continuous(num_slots=2), "tiny", own_process=True)
+    with TestClient(app) as client:  # its lifespan starts the process
+        starting = client.get("/health")
+        deadline = time.monotonic() + 60
+        while online.last_report is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        running = client.get("/health")
+    assert (starting.status_code, starting.json()["message"]) == (503, "the engine is starting")
+    assert running.status_code == 200

@@ -23,8 +23,9 @@
   `chat_prompt_ids` (a checkpoint's chat template, else plain text); answered as the chat API
   answers (`ChatCompletion`: a message, or deltas whose first names the assistant's role).
 - `GET /v1/models` (each model with its `created` time and `max_model_len`), `GET /health`
-  (503 once the engine's loop has failed or stopped, or
-  while it seems stuck in a step: `OnlineEngine.stuck`), and
+  (503 until the engine's loop has reported that it runs, as vLLM's answers only once its
+  engine core is up; once the loop has failed or stopped; and while it seems stuck in a
+  step: `OnlineEngine.stuck`), and
   `GET /metrics` (Prometheus, `labkit.serve.prometheus`).
 
 Requests are read strictly: each field has its JSON type (no "4" for 4, no true for 1),
@@ -286,6 +287,8 @@ def make_app(online: OnlineEngine, model_name: str, tokenizer=byte_tokenizer, li
             return error(f"the engine stopped after an error: {shown(online.failure)}", 503)
         if not online.is_running():
             return error("the engine is not running", 503)
+        if online.last_report is None:
+            return error("the engine is starting", 503)
         if stuck := online.stuck():
             silent, usual = stuck
             steps = f"its steps take {usual * 1000:.0f} ms" if usual else "no step has ended yet"
