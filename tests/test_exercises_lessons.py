@@ -1,4 +1,4 @@
-"""The check-yourself graders of lessons 01 to 06: each expects what the library computes, gives a
+"""The check-yourself graders of lessons 01 to 06 and 09: each expects what the library computes, gives a
 right answer its verdict, names the likely slip, and reads a stub as not attempted."""
 
 import math
@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 
 import labkit as lk
-from labkit.exercises import lesson01, lesson02, lesson03, lesson04, lesson05, lesson06
+from labkit.exercises import lesson01, lesson02, lesson03, lesson04, lesson05, lesson06, lesson09
 from labkit.exercises.feedback import CORRECT, INCORRECT, NOT_ATTEMPTED
 
 QUESTIONS = [lesson01.q1, lesson01.q2, lesson02.q1, lesson02.q3, lesson03.q1, lesson04.q1, lesson04.q2, lesson05.q1,
-             lesson05.q2, lesson06.q1]
+             lesson05.q2, lesson06.q1, lesson09.q1]
 
 
 def status(question, answer):
@@ -159,3 +159,20 @@ def test_lesson06_counts_the_chunks_beside_seven_decodes():
     assert "1,000 / 293 = 3.41, so the last 121 tokens need an iteration of their own, number 4" in rounded_down
     assert "divided by the whole budget" not in rounded_down
     assert "count the iterations from 1" in lesson06.q1.verdict((5, 4)).message
+
+
+def test_lesson09_finds_the_first_token_step_of_a_lone_chunked_prompt():
+    tokens = 1 + 1000  # the begin-of-sequence token and the prompt
+    assert lesson09.q1.expected() == (math.ceil(tokens / 128), math.ceil(tokens / 512)) == (8, 2)
+    assert lesson09.q1.chunks(128) == [128] * 7 + [105] and lesson09.q1.chunks(512) == [512, 489]
+    for budget, step in zip((128, 512), lesson09.q1.expected()):
+        log = lk.simulate(lesson09.q1.trace, lk.Continuous(num_slots=8, max_tokens_per_step=budget,
+                                                          chunked_prefill=True))
+        assert log.first_token_step[0] + 1 == step  # more slots change nothing for a lone request
+    assert status(lesson09.q1, (8, 2)) == CORRECT and status(lesson09.q1, [8.0, 2.0]) == CORRECT
+    assert "swapped" in lesson09.q1.verdict((2, 8)).message
+    assert "not in the step after it" in lesson09.q1.verdict((9, 3)).message
+    assert "give the last, partial chunk a step of its own" in lesson09.q1.verdict((7, 1)).message
+    assert "with a budget of 128 is right; with 512 it is not" in lesson09.q1.verdict((8, 3)).message
+    assert "is not it" in lesson09.q1.verdict((5, 5)).message
+    assert status(lesson09.q1, (None, None)) == NOT_ATTEMPTED

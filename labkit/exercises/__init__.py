@@ -14,9 +14,9 @@ factor a headline multiplier leaves to the implementation
 (labkit.exercises.multiplier_question); q9 asks what the order of the waiting queue does to
 latency (labkit.exercises.ordering_question). A module named `<topic>_question` asks about
 the topic whose home is the module `<topic>` (`labkit.analysis.lanes`, `labkit.sched.policy`,
-...). `lesson01` to `lesson06` hold those lessons' check-yourself questions (iterations and
-utilization, a gain's size, block counts, a KV crossover, a weight-bound step, chunked
-prefill), built from the same question types.
+...). `lesson01` to `lesson06` and `lesson09` hold those lessons' check-yourself questions (iterations
+and utilization, a gain's size, block counts, a KV crossover, a weight-bound step, chunked
+prefill; a chunked prompt's first token at an idle server), built from the same question types.
 
 Invariants:
 
