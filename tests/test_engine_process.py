@@ -132,3 +132,15 @@ def test_health_says_the_engine_is_starting_until_its_process_has_reported():
         running = client.get("/health")
     assert (starting.status_code, starting.json()["message"]) == (503, "the engine is starting")
     assert running.status_code == 200
+
+
+def test_a_stopped_server_process_says_so_when_waited_for():
+    """A lesson cell run again after the server was stopped gets a sentence, not a closed file."""
+    from labkit.serve.processes import start_labkit_serve
+
+    server = start_labkit_serve("--device", "cpu", "--threads", "1")
+    assert server.wait_until_healthy() is server  # the control: running, it answers
+    server.stop()
+    with pytest.raises(RuntimeError, match=r"^labkit serve at http://127\.0\.0\.1:\d+ was stopped \(stop\(\)\); "
+                                           r"start another to use one$"):
+        server.wait_until_healthy()

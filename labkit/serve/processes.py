@@ -112,7 +112,10 @@ class ServerProcess:
         self.stop()
 
     def wait_until_healthy(self, timeout: float = START_TIMEOUT_S) -> ServerProcess:
-        """Return once GET /health answers 200; a server that exits or stays silent fails."""
+        """Return once GET /health answers 200; a server that exits or stays silent fails, and
+        one that `stop` has stopped fails at once, saying so."""
+        if self._stderr.closed:
+            raise RuntimeError(f"{self.name} at {self.url} was stopped (stop()); start another to use one")
         deadline = time.monotonic() + timeout
         while self.process.poll() is None and time.monotonic() < deadline:
             if answers_health(self.url):
