@@ -162,17 +162,27 @@ def test_lesson06_counts_the_chunks_beside_seven_decodes():
 
 
 def test_lesson09_finds_the_first_token_step_of_a_lone_chunked_prompt():
-    tokens = 1 + 1000  # the begin-of-sequence token and the prompt
-    assert lesson09.q1.expected() == (math.ceil(tokens / 128), math.ceil(tokens / 512)) == (8, 2)
-    assert lesson09.q1.chunks(128) == [128] * 7 + [105] and lesson09.q1.chunks(512) == [512, 489]
+    tokens = 1 + 1024  # the begin-of-sequence token and the prompt
+    assert lesson09.q1.expected() == (math.ceil(tokens / 128), math.ceil(tokens / 512)) == (9, 3)
+    assert lesson09.q1.chunks(128) == [128] * 8 + [1] and lesson09.q1.chunks(512) == [512, 512, 1]
     for budget, step in zip((128, 512), lesson09.q1.expected()):
         log = lk.simulate(lesson09.q1.trace, lk.Continuous(num_slots=8, max_tokens_per_step=budget,
                                                           chunked_prefill=True))
         assert log.first_token_step[0] + 1 == step  # more slots change nothing for a lone request
-    assert status(lesson09.q1, (8, 2)) == CORRECT and status(lesson09.q1, [8.0, 2.0]) == CORRECT
-    assert "swapped" in lesson09.q1.verdict((2, 8)).message
-    assert "not in the step after it" in lesson09.q1.verdict((9, 3)).message
-    assert "give the last, partial chunk a step of its own" in lesson09.q1.verdict((7, 1)).message
-    assert "with a budget of 128 is right; with 512 it is not" in lesson09.q1.verdict((8, 3)).message
-    assert "is not it" in lesson09.q1.verdict((5, 5)).message
+    assert status(lesson09.q1, (9, 3)) == CORRECT and status(lesson09.q1, [9.0, 3.0]) == CORRECT
+    assert "chunks of 128, 128" in lesson09.q1.verdict((9, 3)).message  # a right answer is shown the work
+    assert "swapped" in lesson09.q1.verdict((3, 9)).message
+
+
+def test_lesson09_names_the_forgotten_begin_of_sequence_token_and_only_hints():
+    forgot = lesson09.q1.without_bos()
+    assert forgot == (math.ceil(1024 / 128), math.ceil(1024 / 512)) == (8, 2)  # also one step early each
+    assert "begin-of-sequence" in lesson09.q1.verdict(forgot).message
+    assert "begin-of-sequence" in lesson09.q1.verdict((9, 2)).message  # one budget right, the other without it
+    assert "not in the step after it" in lesson09.q1.verdict((10, 4)).message
+    for wrong in (forgot, (9, 2), (10, 4), (3, 9), (20, 20)):
+        verdict = lesson09.q1.verdict(wrong)
+        assert verdict.status == INCORRECT and "chunks of" not in verdict.message  # a hint, not the solution
+    assert "with a budget of 128 is right; with 512 it is not" in lesson09.q1.verdict((9, 4)).message
+    assert "is not it" in lesson09.q1.verdict((20, 20)).message
     assert status(lesson09.q1, (None, None)) == NOT_ATTEMPTED

@@ -1,8 +1,8 @@
 """FusedTinyGPT: TinyGPT's step in fewer, larger torch calls, on the same weights. The engine's fast path.
 
 `TinyGPT.forward` (`labkit.engine.model`) is the step a student reads: a module for each
-part, each norm written out. The engine runs this one by default (`Engine(fused=True)`),
-and `benchmarks/bench_token_time.py` shows where the time it saves went. The same
+part, each norm written out. `labkit serve` runs this one by default (`Engine(fused=True)`;
+`Engine` itself runs the plain step unless asked), and `benchmarks/bench_token_time.py` shows where the time it saves went. The same
 arithmetic, in the same order, with four changes, each where that benchmark measured time:
 
 - attention: a decode group's keys and values are gathered from the paged cache by whole

@@ -1,8 +1,10 @@
 """Lesson 09's check yourself: in which step a long prompt's first token comes out at an idle
 server with chunked prefill, under two token budgets.
 
-Invariant: the expected steps, and the chunks a verdict quotes, come from `labkit.simulate` on
-the question's trace when a check runs; nothing is written down.
+Invariant: the expected steps, the chunks a verdict quotes and the steps of the slip it names
+(the begin-of-sequence token forgotten) come from `labkit.simulate` on the question's trace
+when a check runs; nothing is written down. A wrong answer gets a hint, never the worked
+solution.
 """
 
 from __future__ import annotations
@@ -44,27 +46,40 @@ class FirstTokenStep(Question):
         log = self.run(budget)
         return [int(n) for n in log.num_prefill_tokens[: int(log.first_token_step[0]) + 1]]
 
+    def without_bos(self) -> tuple[int, int]:
+        """The steps a prefill of the prompt alone would take, the begin-of-sequence token forgotten:
+        the simulator's steps for a prompt one token shorter (its prefill adds that token)."""
+        shorter = FirstTokenStep(prompt_length=self.prompt_length - 1, budgets=self.budgets)
+        small, large = shorter.expected()
+        return small, large
+
     def grade(self, answer):
         first, second = pair(answer, self.answer_format)
         answered = (whole_number(first, f"the step with a budget of {self.budgets[0]}"),
                     whole_number(second, f"the step with a budget of {self.budgets[1]}"))
-        expected = self.expected()
+        expected, forgot = self.expected(), self.without_bos()
+        bos = (f"The prefill also carries the begin-of-sequence token: count 1 + {self.prompt_length:,} tokens, "
+               "then see where the last one falls.")
         if answered == expected:
             return correct(f"{self._worked()} The step that completes the prompt emits its first token.")
         if answered == expected[::-1]:
             return incorrect(f"{answered}: swapped. The smaller budget takes more steps; give "
                              f"{self.answer_format.split(', e.g.')[0]}.")
+        if answered == forgot:  # before the one-step slips: a length that divides both budgets makes them equal
+            return incorrect(f"{answered}: those are the steps for the prompt's {self.prompt_length:,} tokens alone. "
+                             f"{bos}")
         if answered == tuple(e + 1 for e in expected):
             return incorrect(f"{answered}: one step late each. The first token is sampled in the step that "
-                             f"completes the prompt, not in the step after it. {self._worked()}")
+                             "completes the prompt, not in the step after it.")
         if answered == tuple(e - 1 for e in expected):
             return incorrect(f"{answered}: one step early each. Count the steps from 1, and give the last, partial "
-                             f"chunk a step of its own. {self._worked()}")
+                             "chunk a step of its own.")
         right = [a == e for a, e in zip(answered, expected)]
         if any(right):
             good, bad = self.budgets if right[0] else self.budgets[::-1]
-            return incorrect(f"{answered}: the step with a budget of {good} is right; with {bad} it is not. "
-                             f"{self.hint_text()}")
+            wrong = right.index(False)
+            why = bos if answered[wrong] == forgot[wrong] else self.hint_text()
+            return incorrect(f"{answered}: the step with a budget of {good} is right; with {bad} it is not. {why}")
         return incorrect(f"{answered} is not it. {self.hint_text()}")
 
     def _worked(self) -> str:
@@ -72,8 +87,10 @@ class FirstTokenStep(Question):
         parts = []
         for budget, step in zip(self.budgets, self.expected()):
             chunks = self.chunks(budget)
-            parts.append(f"with {budget} tokens a step, {tokens:,} / {budget} = {tokens / budget:.2f}, so "
-                         f"{len(chunks)} steps (chunks of {', '.join(map(str, chunks))}): step {step}")
+            whole, rest = divmod(tokens, budget)
+            split = f"{whole} × {budget} + {rest}" if rest else f"{whole} × {budget}"
+            parts.append(f"with {budget} tokens a step, {tokens:,} = {split}, so {len(chunks)} steps (chunks of "
+                         f"{', '.join(map(str, chunks))}): step {step}")
         return (f"The prompt is {tokens:,} tokens with its begin-of-sequence token; nothing else runs, so each "
                 f"step gives it the whole budget: " + "; ".join(parts) + ".")
 
@@ -89,4 +106,4 @@ class FirstTokenStep(Question):
                 f"answer = ({small}, {large})")
 
 
-q1 = FirstTokenStep(prompt_length=1000, budgets=(128, 512))
+q1 = FirstTokenStep(prompt_length=1024, budgets=(128, 512))
