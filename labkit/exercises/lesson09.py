@@ -49,9 +49,7 @@ class FirstTokenStep(Question):
     def without_bos(self) -> tuple[int, int]:
         """The steps a prefill of the prompt alone would take, the begin-of-sequence token forgotten:
         the simulator's steps for a prompt one token shorter (its prefill adds that token)."""
-        shorter = FirstTokenStep(prompt_length=self.prompt_length - 1, budgets=self.budgets)
-        small, large = shorter.expected()
-        return small, large
+        return FirstTokenStep(prompt_length=self.prompt_length - 1, budgets=self.budgets).expected()
 
     def grade(self, answer):
         first, second = pair(answer, self.answer_format)
